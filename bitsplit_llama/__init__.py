@@ -1,0 +1,33 @@
+"""bitsplit-llama: GGUF models as a 2-bit base plus a residual, self-speculative on llama.cpp.
+
+Nothing native is loaded at import time; the heavy parts load on first use.
+"""
+
+from __future__ import annotations
+
+from .errors import (BitsplitError, BusyError, ContextLimitError, GGUFFormatError, InputError,
+                     InvalidOptionError, MismatchError, NativeError, OutputError, UnsupportedModelError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BitsplitError", "BusyError", "ContextLimitError", "GGUFFormatError", "InputError", "InvalidOptionError",
+    "MismatchError", "NativeError", "OutputError", "UnsupportedModelError", "split_model", "split_info",
+    "fetch_model", "__version__",
+]
+
+
+def __getattr__(name: str):
+    if name == "split_model":
+        from .split import split_model
+
+        return split_model
+    if name == "split_info":
+        from .modeldir import split_info
+
+        return split_info
+    if name == "fetch_model":
+        from .fetch import fetch_model
+
+        return fetch_model
+    raise AttributeError(f"module 'bitsplit_llama' has no attribute {name!r}")

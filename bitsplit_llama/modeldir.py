@@ -1,0 +1,136 @@
+"""A split model on disk: ``DIR/base.gguf`` + ``DIR/residual.gguf``, opened and checked together.
+
+:func:`open_split` is the one place that decides whether a base and a residual belong together
+(format version, base fingerprint, tensor names, shapes and types). Everything that loads a split
+model goes through it before handing files to llama.cpp or to the native library.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf.constants import GGMLQuantizationType as QT
+
+from .errors import GGUFFormatError, InputError, MismatchError, UnsupportedModelError
+from .gguf_file import GGUFFile, fingerprint, type_name
+from .split import BASE_NAME, FORMAT_VERSION, RESIDUAL_NAME
+
+#: residual tensor types the verifier knows how to apply
+SUPPORTED_RESIDUAL_TYPES = {int(QT.Q6_K), int(QT.Q8_0), int(QT.F16), int(QT.F32)}
+
+
+@dataclass
+class SplitInfo:
+    dir: Path
+    architecture: str
+    base_path: Path
+    residual_path: Path
+    base_tensors: int
+    residual_tensors: int
+    base_types: dict[str, int]
+    residual_types: dict[str, int]
+    base_bytes: int
+    residual_bytes: int
+    n_params: int
+    residual_type: str
+    fallbacks: int
+    fingerprint_ok: bool
+    source_file: str
+    base_fingerprint: str
+
+    @property
+    def base_bpw(self) -> float:
+        return 8 * self.base_bytes / max(1, self.n_params)
+
+    @property
+    def residual_bpw(self) -> float:
+        return 8 * self.residual_bytes / max(1, self.n_params)
+
+    def to_json(self) -> dict:
+        return {
+            "dir": str(self.dir), "architecture": self.architecture, "base": str(self.base_path),
+            "residual": str(self.residual_path), "base_tensors": self.base_tensors,
+            "residual_tensors": self.residual_tensors, "base_types": self.base_types,
+            "residual_types": self.residual_types, "base_bytes": self.base_bytes,
+            "residual_bytes": self.residual_bytes, "n_params": self.n_params,
+            "base_bpw": round(self.base_bpw, 4), "residual_bpw": round(self.residual_bpw, 4),
+            "residual_type": self.residual_type, "fallbacks": self.fallbacks,
+            "fingerprint_ok": self.fingerprint_ok, "source_file": self.source_file,
+            "base_fingerprint": self.base_fingerprint,
+        }
+
+
+def split_paths(model_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
+    d = Path(model_dir)
+    if not d.exists():
+        raise InputError(f"{d}: model directory not found")
+    if not d.is_dir():
+        raise InputError(f"{d}: is not a directory; expected a split model directory holding {BASE_NAME} and {RESIDUAL_NAME}")
+    base, res = d / BASE_NAME, d / RESIDUAL_NAME
+    missing = [p.name for p in (base, res) if not p.exists()]
+    if missing:
+        raise InputError(f"{d}: not a split model directory: {' and '.join(missing)} missing (make one with 'bitsplit split')")
+    return base, res
+
+
+def _meta(res: GGUFFile, key: str, kind: type):
+    v = res.kv.get(key)
+    if not isinstance(v, kind):
+        raise GGUFFormatError(f"{res.path}: not a bitsplit residual: metadata key '{key}' missing or of the wrong type")
+    return v
+
+
+def check_pair(base: GGUFFile, res: GGUFFile, *, check_fingerprint: bool = True) -> bool:
+    """Validate that ``res`` is a residual made from ``base``; raises on any mismatch.
+
+    Returns whether the fingerprint matched (always True when ``check_fingerprint``).
+    """
+    version = _meta(res, "bitsplit.format_version", int)
+    if version != FORMAT_VERSION:
+        raise UnsupportedModelError(f"{res.path}: residual format version {version}, this bitsplit reads version {FORMAT_VERSION}")
+    arch = _meta(res, "bitsplit.source.architecture", str)
+    if arch != base.architecture:
+        raise MismatchError(f"{res.path}: residual is for architecture '{arch}' but the base {base.path} is '{base.architecture}'")
+    expected_fp = _meta(res, "bitsplit.base_fingerprint", str)
+    fp_ok = fingerprint(base) == expected_fp
+    if check_fingerprint and not fp_ok:
+        raise MismatchError(
+            f"{res.path}: residual was not made from this base {base.path} (base fingerprint differs): "
+            "split the source again"
+        )
+    for rt in res.tensors:
+        if rt.name not in base:
+            raise MismatchError(f"{res.path}: tensor '{rt.name}' has no weight of that name in the base {base.path}")
+        bt = base.tensor(rt.name)
+        if rt.shape != bt.shape:
+            raise MismatchError(f"{res.path}: tensor '{rt.name}' is {rt.shape_str()} but the base has {bt.shape_str()}")
+        if rt.ggml_type not in SUPPORTED_RESIDUAL_TYPES:
+            raise UnsupportedModelError(
+                f"{res.path}: tensor '{rt.name}' has type {rt.type_name}; residuals must be Q6_K, Q8_0, F16 or F32"
+            )
+    return fp_ok
+
+
+def split_info(model_dir: str | os.PathLike[str]) -> SplitInfo:
+    """Describe a split model; a fingerprint mismatch is reported (``fingerprint_ok``), not raised."""
+    base_p, res_p = split_paths(model_dir)
+    with GGUFFile(base_p, role="base") as base, GGUFFile(res_p, role="residual") as res:
+        fp_ok = check_pair(base, res, check_fingerprint=False)
+        return SplitInfo(
+            dir=Path(model_dir), architecture=base.architecture, base_path=base_p, residual_path=res_p,
+            base_tensors=len(base.tensors), residual_tensors=len(res.tensors),
+            base_types=dict(Counter(t.type_name for t in base.tensors)),
+            residual_types=dict(Counter(t.type_name for t in res.tensors)),
+            base_bytes=sum(t.nbytes for t in base.tensors), residual_bytes=sum(t.nbytes for t in res.tensors),
+            n_params=sum(t.n_elements for t in base.tensors),
+            residual_type=str(res.kv.get("bitsplit.residual_type", "?")),
+            fallbacks=int(res.kv.get("bitsplit.fallback_count", 0)),
+            fingerprint_ok=fp_ok, source_file=str(res.kv.get("bitsplit.source.file", "?")),
+            base_fingerprint=str(res.kv.get("bitsplit.base_fingerprint", "")),
+        )
+
+
+__all__ = ["SplitInfo", "split_info", "split_paths", "check_pair", "type_name", "SUPPORTED_RESIDUAL_TYPES"]

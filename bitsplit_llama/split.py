@@ -1,0 +1,437 @@
+"""``bitsplit split``: a GGUF model -> DIR/base.gguf (llama.cpp's Q2_K) + DIR/residual.gguf.
+
+The base is made by llama.cpp itself (``llama_model_quantize``, its own Q2_K tensor mix), so it is
+an ordinary GGUF any llama.cpp loads. The residual holds, under the same tensor names, the
+difference ``dequant(source) - dequant(base)`` for every tensor the base does not keep exactly,
+quantized with ggml's own quantizers. Work is streamed in chunks of rows, so memory stays bounded
+by a small multiple of the chunk size whatever the model's size; outputs appear under their final
+names only once complete.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType as QT
+
+from . import _ggml
+from .errors import InputError, InvalidOptionError, OutputError, UnsupportedModelError
+from .gguf_file import GGUFFile, StreamingGGUFWriter, TensorInfo, fingerprint, iter_row_chunks, type_name, write_error
+
+FORMAT_VERSION = 1
+BASE_NAME = "base.gguf"
+RESIDUAL_NAME = "residual.gguf"
+
+#: residual types offered to users, and the ggml type each one stores
+RESIDUAL_TYPES: dict[str, int] = {"q6_k": int(QT.Q6_K), "q8_0": int(QT.Q8_0), "f16": int(QT.F16), "f32": int(QT.F32)}
+#: llama_ftype of llama.cpp's mixes; q2_k is the product, q8_0/q6_k/... make comparison models
+FTYPES: dict[str, int] = {"q2_k": 10, "q3_k_m": 12, "q4_k_m": 15, "q6_k": 18, "q8_0": 7, "f16": 1, "f32": 0}
+
+# Fallback chain when a row width is not a multiple of the residual type's block.
+_FALLBACK = {int(QT.Q6_K): int(QT.Q8_0), int(QT.Q8_0): int(QT.F16)}
+
+#: rows are processed in chunks of at most this many elements (4 float32 copies live per chunk)
+CHUNK_ELEMENTS = 1 << 22
+
+
+class Progress(Protocol):
+    """What the split reports while it works; the CLI draws it, the API may pass None."""
+
+    def phase(self, name: str, total_tensors: int, total_bytes: int) -> None: ...
+    def advance(self, tensors: int = 0, nbytes: int = 0) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class ResidualTensor:
+    name: str
+    shape: tuple[int, ...]
+    base_type: int
+    residual_type: int
+    fallback: bool
+
+
+@dataclass
+class SplitReport:
+    source: Path
+    out_dir: Path
+    base_path: Path
+    residual_path: Path
+    residual_type: str
+    seconds: float
+    base_seconds: float
+    residual_seconds: float
+    peak_rss_bytes: int
+    quantizer_peak_rss_bytes: int
+    n_params: int
+    base_bytes: int
+    residual_bytes: int
+    base_types: dict[str, int]
+    residual_types: dict[str, int]
+    fallbacks: int
+    exact_tensors: int
+    residual_tensors: list[ResidualTensor] = field(default_factory=list)
+
+    @property
+    def base_bpw(self) -> float:
+        return 8 * self.base_bytes / max(1, self.n_params)
+
+    @property
+    def residual_bpw(self) -> float:
+        return 8 * self.residual_bytes / max(1, self.n_params)
+
+    def to_json(self) -> dict:
+        return {
+            "source": str(self.source), "out_dir": str(self.out_dir), "base": str(self.base_path),
+            "residual": str(self.residual_path), "residual_type": self.residual_type,
+            "seconds": round(self.seconds, 3), "base_seconds": round(self.base_seconds, 3),
+            "residual_seconds": round(self.residual_seconds, 3), "peak_rss_bytes": self.peak_rss_bytes,
+            "quantizer_peak_rss_bytes": self.quantizer_peak_rss_bytes, "n_params": self.n_params,
+            "base_bytes": self.base_bytes, "residual_bytes": self.residual_bytes,
+            "base_bpw": round(self.base_bpw, 4), "residual_bpw": round(self.residual_bpw, 4),
+            "base_types": self.base_types, "residual_types": self.residual_types,
+            "fallbacks": self.fallbacks, "exact_tensors": self.exact_tensors,
+        }
+
+
+def residual_type_for(n_per_row: int, wanted: int) -> int:
+    """The residual type for a row width: ``wanted`` if its block divides the width, else the
+    next in Q6_K -> Q8_0 -> F16 whose block does."""
+    t = wanted
+    while True:
+        blck = _ggml.traits(t).blck_size
+        if n_per_row % blck == 0:
+            return t
+        t = _FALLBACK.get(t, int(QT.F16))
+
+
+def parse_residual_type(name: str) -> int:
+    key = name.lower()
+    if key not in RESIDUAL_TYPES:
+        raise InvalidOptionError(f"--residual: unknown residual type '{name}' (expected one of: {', '.join(RESIDUAL_TYPES)})")
+    return RESIDUAL_TYPES[key]
+
+
+def _peak_rss(who: int) -> int:
+    return resource.getrusage(who).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _check_source(src: GGUFFile) -> None:
+    _ = src.architecture
+    for t in src.tensors:
+        if t.ggml_type != int(QT.F32) and not _ggml.traits(t.ggml_type).to_float:
+            raise UnsupportedModelError(f"{src.path}: tensor '{t.name}' has type {t.type_name}, which ggml cannot dequantize")
+        if t.ggml_type in (int(QT.Q8_1), int(QT.Q8_K)) or t.ggml_type >= int(QT.I8) and t.ggml_type <= int(QT.F64):
+            raise UnsupportedModelError(f"{src.path}: tensor '{t.name}' has type {t.type_name}, not a weight type this tool splits")
+
+
+def _prepare_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"{out_dir}: exists and is not a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{out_dir}: cannot create output directory ({exc.strerror})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise OutputError(f"{out_dir}: output directory is not writable")
+    existing = [n for n in (BASE_NAME, RESIDUAL_NAME) if (out_dir / n).exists()]
+    if existing and not force:
+        raise OutputError(f"{out_dir}: already holds {' and '.join(existing)} (use --force to replace)")
+    # temporaries of an earlier run that was killed (SIGKILL leaves them behind)
+    for p in out_dir.glob(".*.bitsplit-*.tmp"):
+        try:
+            pid = int(p.name.split(".")[-2].rsplit("-", 1)[-1])
+        except ValueError:
+            pid = -1
+        if pid != os.getpid() and not _pid_alive(pid):
+            p.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_space(out_dir: Path, need: int) -> None:
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        raise OutputError(
+            f"{out_dir}: disk full: the split needs about {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free"
+        )
+
+
+_PROGRESS_RE = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
+
+
+def quantize_model(src: Path, dst: Path, ftype: str | int, threads: int, imatrix: Path | None = None,
+                   progress: Progress | None = None, log_tail: list[str] | None = None) -> int:
+    """Run llama.cpp's quantizer in a child process; returns the child's peak RSS in bytes.
+
+    ``dst`` is written directly; callers that need atomicity pass a temporary path. Raises
+    :class:`UnsupportedModelError` with llama.cpp's own reason when it refuses the model.
+    """
+    ftype_id = FTYPES[ftype] if isinstance(ftype, str) else int(ftype)
+    args = {"src": str(src), "dst": str(dst), "ftype": ftype_id, "nthread": threads,
+            "imatrix": str(imatrix) if imatrix else None, "parent": os.getpid()}
+    cmd = [sys.executable, "-m", "bitsplit_llama._quantize_worker", json.dumps(args)]
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    tail: list[str] = [] if log_tail is None else log_tail
+    before = _peak_rss(resource.RUSAGE_CHILDREN)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=env, text=True, errors="replace", start_new_session=True)
+    done = 0
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            line = line.rstrip("\n")
+            tail.append(line)
+            del tail[:-200]
+            m = _PROGRESS_RE.match(line)
+            if m and progress is not None:
+                i = int(m.group(1))
+                progress.advance(tensors=i - done)
+                done = i
+        rc = proc.wait()
+    except BaseException:
+        # Ctrl-C, SIGTERM or an error of ours: the quantizer must not outlive us
+        proc.kill()
+        proc.wait()
+        raise
+    if rc != 0:
+        raise UnsupportedModelError(f"{src}: llama.cpp could not quantize it: {_quantizer_reason(tail, rc)}")
+    after = _peak_rss(resource.RUSAGE_CHILDREN)
+    return max(after, before)
+
+
+def _quantizer_reason(tail: list[str], rc: int) -> str:
+    for line in reversed(tail):
+        for marker in ("bitsplit-error: ", "failed to quantize: "):
+            if marker in line:
+                return line.split(marker, 1)[1].strip()
+    for line in reversed(tail):
+        if "error" in line.lower() or "failed" in line.lower():
+            return line.strip()
+    if rc < 0:
+        return f"the quantizer was killed by signal {-rc}"
+    return f"the quantizer exited with status {rc}"
+
+
+def _plan_residuals(src: GGUFFile, base: GGUFFile, wanted: int) -> tuple[list[ResidualTensor], int]:
+    """Which base tensors need a residual, and of which type. Returns (plan, exact_count)."""
+    plan: list[ResidualTensor] = []
+    exact = 0
+    for bt in base.tensors:
+        if bt.name not in src:
+            raise UnsupportedModelError(f"{base.path}: tensor '{bt.name}' does not exist in the source {src.path}")
+        st = src.tensor(bt.name)
+        if st.shape != bt.shape:
+            raise UnsupportedModelError(
+                f"{base.path}: tensor '{bt.name}' is {bt.shape_str()} but the source has {st.shape_str()}"
+            )
+        if st.ggml_type == bt.ggml_type and _same_bytes(src, st, base, bt):
+            exact += 1
+            continue
+        rtype = residual_type_for(bt.n_per_row, wanted)
+        plan.append(ResidualTensor(bt.name, bt.shape, bt.ggml_type, rtype, rtype != wanted))
+    return plan, exact
+
+
+def _same_bytes(a: GGUFFile, ta: TensorInfo, b: GGUFFile, tb: TensorInfo) -> bool:
+    for start, count in iter_row_chunks(ta.n_rows, ta.n_per_row, CHUNK_ELEMENTS):
+        if not np.array_equal(a.read_rows(ta, start, count), b.read_rows(tb, start, count)):
+            return False
+    return True
+
+
+def _residual_chunk(src: GGUFFile, st: TensorInfo, base: GGUFFile, bt: TensorInfo, rtype: int,
+                    start: int, count: int) -> np.ndarray:
+    s = _ggml.dequantize_rows(src.read_rows(st, start, count), st.ggml_type, st.n_per_row)
+    b = _ggml.dequantize_rows(base.read_rows(bt, start, count), bt.ggml_type, bt.n_per_row)
+    np.subtract(s, b, out=s)
+    del b
+    if rtype == int(QT.F32):
+        return s.view(np.uint8)
+    if rtype == int(QT.F16):
+        return s.astype(np.float16).view(np.uint8)
+    return _ggml.quantize_rows(s, rtype)
+
+
+def split_model(
+    source: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    residual: str = "q6_k",
+    imatrix: str | os.PathLike[str] | None = None,
+    threads: int | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+    base_ftype: str = "q2_k",
+) -> SplitReport:
+    """Split ``source`` into ``out_dir/base.gguf`` + ``out_dir/residual.gguf``; see the module doc.
+
+    Raises :class:`InputError` subclasses for unusable inputs and :class:`OutputError` when the
+    output cannot be written; in every failure case no ``base.gguf``/``residual.gguf`` is left that
+    was not there before (with ``force``, replaced files are only replaced on success).
+    """
+    t0 = time.monotonic()
+    source, out_dir = Path(source), Path(out_dir)
+    wanted = parse_residual_type(residual)
+    if base_ftype not in FTYPES:
+        raise InvalidOptionError(f"base type '{base_ftype}' unknown (expected one of: {', '.join(FTYPES)})")
+    threads = _ggml.cpu_count() if threads is None else threads
+    if not isinstance(threads, int) or threads < 1:
+        raise InvalidOptionError(f"--threads: {threads!r} is not a positive integer")
+    imatrix_path = Path(imatrix) if imatrix else None
+    if imatrix_path is not None:
+        from .imatrix import load_imatrix
+
+        load_imatrix(imatrix_path)  # fail here, with our message, not in the child
+
+    with GGUFFile(source, role="source") as src:
+        _check_source(src)
+        _prepare_out_dir(out_dir, force)
+        n_params = sum(t.n_elements for t in src.tensors)
+        # Q2_K mix ~3.3 bpw, residual up to 8.5 bpw (Q8_0): refuse early rather than fail half-way
+        _check_space(out_dir, int(n_params * (3.5 + 8.5) / 8) + (64 << 20))
+
+        tag = f".bitsplit-{os.getpid()}.tmp"
+        base_tmp = out_dir / (".base" + tag)
+        res_tmp = out_dir / (".residual" + tag)
+        try:
+            if progress:
+                progress.phase("base: llama.cpp quantize", len(src.tensors), 0)
+            t_base = time.monotonic()
+            child_rss = quantize_model(source, base_tmp, base_ftype, threads, imatrix_path, progress)
+            base_seconds = time.monotonic() - t_base
+
+            t_res = time.monotonic()
+            with GGUFFile(base_tmp, role="base") as base:
+                plan, exact = _plan_residuals(src, base, wanted)
+                base_fp = fingerprint(base)
+                src_fp = fingerprint(src)
+                base_types = dict(Counter(t.type_name for t in base.tensors))
+                res_bytes_est = sum(_ggml.row_size(r.residual_type, r.shape[0]) * math.prod(r.shape[1:]) for r in plan)
+                _check_space(out_dir, res_bytes_est + (16 << 20))
+                _write_residual(res_tmp, src, base, plan, residual.lower(), base_fp, src_fp, base_ftype,
+                                imatrix_path, threads, progress)
+                base_bytes = sum(t.nbytes for t in base.tensors)
+            residual_seconds = time.monotonic() - t_res
+
+            # base first: residual.gguf, written last, is what marks a split as complete
+            os.replace(base_tmp, out_dir / BASE_NAME)
+            os.replace(res_tmp, out_dir / RESIDUAL_NAME)
+            _fsync_dir(out_dir)
+        except OSError as exc:
+            raise write_error(out_dir, exc) from None
+        finally:
+            for p in (base_tmp, res_tmp):
+                p.unlink(missing_ok=True)
+            if progress:
+                progress.close()
+
+    with GGUFFile(out_dir / RESIDUAL_NAME, role="residual") as rg:
+        residual_bytes = sum(t.nbytes for t in rg.tensors)
+    return SplitReport(
+        source=source, out_dir=out_dir, base_path=out_dir / BASE_NAME, residual_path=out_dir / RESIDUAL_NAME,
+        residual_type=residual.lower(), seconds=time.monotonic() - t0, base_seconds=base_seconds,
+        residual_seconds=residual_seconds, peak_rss_bytes=_peak_rss(resource.RUSAGE_SELF),
+        quantizer_peak_rss_bytes=child_rss, n_params=n_params, base_bytes=base_bytes,
+        residual_bytes=residual_bytes, base_types=base_types,
+        residual_types=dict(Counter(type_name(r.residual_type) for r in plan)),
+        fallbacks=sum(r.fallback for r in plan), exact_tensors=exact, residual_tensors=plan,
+    )
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_residual(path: Path, src: GGUFFile, base: GGUFFile, plan: list[ResidualTensor], residual: str,
+                    base_fp: str, src_fp: str, base_ftype: str, imatrix: Path | None, threads: int,
+                    progress: Progress | None) -> None:
+    w = StreamingGGUFWriter(path, arch="bitsplit-residual")
+    kv = w.kv
+    kv.add_uint32("bitsplit.format_version", FORMAT_VERSION)
+    kv.add_string("bitsplit.residual_type", residual)
+    kv.add_string("bitsplit.base_type", base_ftype)
+    kv.add_string("bitsplit.base_fingerprint", base_fp)
+    kv.add_string("bitsplit.source.file", src.path.name)
+    kv.add_uint64("bitsplit.source.size", src.size)
+    kv.add_string("bitsplit.source.fingerprint", src_fp)
+    kv.add_string("bitsplit.source.architecture", src.architecture)
+    if isinstance(src.kv.get("general.name"), str):
+        kv.add_string("bitsplit.source.name", src.kv["general.name"])
+    kv.add_uint32("bitsplit.fallback_count", sum(r.fallback for r in plan))
+    kv.add_string("bitsplit.imatrix", imatrix.name if imatrix else "")
+    for r in plan:
+        w.add_tensor_info(r.name, r.shape, r.residual_type)
+    total_bytes = sum(base.tensor(r.name).nbytes for r in plan)
+    if progress:
+        progress.phase(f"residual: {residual}", len(plan), total_bytes)
+    try:
+        w.begin_data()
+        with cf.ThreadPoolExecutor(max_workers=threads) as pool:
+            for r in plan:
+                st, bt = src.tensor(r.name), base.tensor(r.name)
+                w.begin_tensor(r.name)
+                pending: list[tuple[cf.Future, int]] = []
+                for start, count in iter_row_chunks(bt.n_rows, bt.n_per_row, CHUNK_ELEMENTS):
+                    pending.append((pool.submit(_residual_chunk, src, st, base, bt, r.residual_type, start, count),
+                                    count * bt.row_bytes))
+                    if len(pending) > threads:  # bounded in-flight work keeps memory bounded
+                        fut, nb = pending.pop(0)
+                        w.write(fut.result())
+                        if progress:
+                            progress.advance(nbytes=nb)
+                for fut, nb in pending:
+                    w.write(fut.result())
+                    if progress:
+                        progress.advance(nbytes=nb)
+                w.end_tensor()
+                if progress:
+                    progress.advance(tensors=1)
+        w.finish()
+    finally:
+        w.close()
+
+
+def install_sigterm_handler() -> Callable[[], None]:
+    """Make SIGTERM unwind like Ctrl-C (so temporaries are removed); returns a restore function."""
+    def handler(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, old)

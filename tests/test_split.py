@@ -1,0 +1,317 @@
+"""bitsplit split / info on tiny synthetic models: reconstruction, metadata, atomicity, errors."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as QT
+
+from bitsplit_llama import _ggml
+from bitsplit_llama.errors import (GGUFFormatError, InputError, InvalidOptionError, MismatchError, OutputError,
+                                   UnsupportedModelError)
+from bitsplit_llama.gguf_file import GGUFFile, fingerprint
+from bitsplit_llama.modeldir import check_pair, split_info
+from bitsplit_llama.split import residual_type_for, split_model
+from synth import tiny_llama_weights, write_llama_gguf, write_tiny_llama
+
+
+def full(g: GGUFFile, name: str) -> np.ndarray:
+    t = g.tensor(name)
+    return _ggml.dequantize_rows(g.read_rows(t, 0, t.n_rows), t.ggml_type, t.n_per_row)
+
+
+def reconstruction_bound(d: np.ndarray, rtype: int) -> np.ndarray:
+    """Largest error the residual type's own quantization may leave, elementwise, for residual d."""
+    # scales are stored as f16: relative rounding 2^-11, absolute 2^-25 once subnormal (tiny residuals)
+    if rtype == QT.Q8_0:  # one scale per 32: half a step, plus the f16 rounding of the scale
+        amax = np.abs(d.reshape(-1, 32)).max(1, keepdims=True)
+        b = amax * (0.5 / 127 + 2.0**-10) + 127 * 2.0**-25 + 1e-7
+        return np.broadcast_to(b, (amax.shape[0], 32)).reshape(d.shape)
+    if rtype == QT.Q6_K:  # 16 sub-scales (int8) of one f16 super-scale per 256
+        amax = np.abs(d.reshape(-1, 256)).max(1, keepdims=True)
+        b = amax * 0.05 + 127 * 32 * 2.0**-25 + 1e-7
+        return np.broadcast_to(b, (amax.shape[0], 256)).reshape(d.shape)
+    if rtype == QT.F16:
+        return np.abs(d) * 2.0**-10 + 1e-7
+    return np.abs(d) * 1e-6 + 1e-9
+
+
+def assert_reconstructs(src_path: Path, out: Path, names: list[str] | None = None) -> int:
+    checked = 0
+    with GGUFFile(src_path) as s, GGUFFile(out / "base.gguf") as b, GGUFFile(out / "residual.gguf") as r:
+        for t in r.tensors:
+            if names is not None and t.name not in names:
+                continue
+            S, B, R = full(s, t.name), full(b, t.name), full(r, t.name)
+            d = S - B
+            err = np.abs(S - (B + R))
+            bound = reconstruction_bound(d, t.ggml_type)
+            worst = np.argmax(err - bound)
+            assert err.flat[worst] <= bound.flat[worst], (
+                f"{t.name}: error {err.flat[worst]} > bound {bound.flat[worst]} ({t.type_name})")
+            # the stored residual is exactly ggml's quantization of (source - base)
+            if t.ggml_type in (QT.Q8_0, QT.Q6_K):
+                assert np.array_equal(r.read_rows(t, 0, t.n_rows), _ggml.quantize_rows(d, t.ggml_type))
+            checked += 1
+        # every tensor the base does not keep exactly has a residual
+        for bt in b.tensors:
+            if bt.name in r:
+                continue
+            assert np.array_equal(full(s, bt.name), full(b, bt.name)), f"{bt.name} differs but has no residual"
+    return checked
+
+
+@pytest.mark.parametrize("residual", ["q6_k", "q8_0", "f16"])
+def test_split_reconstructs_source(tiny_f32, tmp_path, residual):
+    rep = split_model(tiny_f32, tmp_path / "out", residual=residual, threads=2)
+    assert rep.base_path.exists() and rep.residual_path.exists()
+    n = assert_reconstructs(tiny_f32, tmp_path / "out")
+    assert n == len(rep.residual_tensors) > 0
+    # base + residual is far closer to the source than the base alone
+    with GGUFFile(tiny_f32) as s, GGUFFile(rep.base_path) as b, GGUFFile(rep.residual_path) as r:
+        S, B, R = (full(g, "blk.0.ffn_up.weight") for g in (s, b, r))
+        rel = lambda e: float(np.sqrt((e**2).mean() / (S**2).mean()))  # noqa: E731
+        assert rel(S - B - R) < rel(S - B) / 10
+    assert not list((tmp_path / "out").glob(".bitsplit-*"))
+
+
+def test_split_metadata_and_fingerprint(tiny_split, tiny_f32):
+    with GGUFFile(tiny_split / "base.gguf") as b, GGUFFile(tiny_split / "residual.gguf") as r, GGUFFile(tiny_f32) as s:
+        assert r.kv["bitsplit.format_version"] == 1
+        assert r.kv["bitsplit.residual_type"] == "q6_k"
+        assert r.kv["bitsplit.source.file"] == tiny_f32.name
+        assert r.kv["bitsplit.source.architecture"] == "llama"
+        assert r.kv["bitsplit.base_fingerprint"] == fingerprint(b)
+        assert r.kv["bitsplit.source.fingerprint"] == fingerprint(s)
+        assert check_pair(b, r) is True
+        # llama.cpp's own Q2_K mix: real Q2_K at width 256
+        assert sum(t.ggml_type == QT.Q2_K for t in b.tensors) >= 4
+        # norms are kept exact by the base and get no residual
+        assert "blk.0.attn_norm.weight" not in r and "blk.0.attn_norm.weight" in b
+    info = split_info(tiny_split)
+    assert info.fingerprint_ok and info.architecture == "llama" and info.fallbacks == 0
+    assert info.residual_types == {"Q6_K": info.residual_tensors}
+
+
+def test_fingerprint_sees_data_not_only_header(tiny_split, tmp_path):
+    """A base with identical header but other data (another imatrix, say) has another fingerprint."""
+    copy = tmp_path / "base.gguf"
+    shutil.copy(tiny_split / "base.gguf", copy)
+    with GGUFFile(copy) as g:
+        t = g.tensor("blk.0.ffn_up.weight")
+        fp0 = fingerprint(g)
+    with open(copy, "r+b") as f:
+        f.seek(t.offset)
+        b = f.read(1)
+        f.seek(t.offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with GGUFFile(copy) as g:
+        assert fingerprint(g) != fp0
+
+
+def test_base_loads_and_generates_in_stock_llama_cpp(tiny_split):
+    from stock import stock_llama
+
+    llm = stock_llama(tiny_split / "base.gguf", n_ctx=128)
+    try:
+        out = llm.create_completion("the cat is", max_tokens=6, temperature=0.0)
+        assert out["usage"]["completion_tokens"] >= 1
+        assert isinstance(out["choices"][0]["text"], str)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("qtype", [QT.F16, QT.Q8_0, QT.Q4_K, QT.Q5_0, QT.Q4_1])
+def test_quantized_sources(tmp_path, qtype):
+    """Quantized sources split too (llama.cpp requantizes); the dequantized source is the reference."""
+    src = write_tiny_llama(tmp_path / f"tiny-{qtype.name}.gguf", qtype=int(qtype))
+    split_model(src, tmp_path / "out", residual="q8_0", threads=2)
+    assert assert_reconstructs(src, tmp_path / "out") > 0
+
+
+def test_bf16_source(tmp_path):
+    src = write_tiny_llama(tmp_path / "tiny-bf16.gguf", qtype=int(QT.BF16))
+    with GGUFFile(src) as g:
+        assert g.tensor("blk.0.ffn_up.weight").ggml_type == QT.BF16
+    split_model(src, tmp_path / "out", residual="q6_k", threads=2)
+    assert assert_reconstructs(src, tmp_path / "out") > 0
+
+
+def test_width_fallback(tmp_path):
+    """Rows not a multiple of 256 cannot be Q6_K: the residual falls back to Q8_0 and is counted."""
+    assert residual_type_for(256, QT.Q6_K) == QT.Q6_K
+    assert residual_type_for(576, QT.Q6_K) == QT.Q8_0
+    assert residual_type_for(48, QT.Q6_K) == QT.F16
+    assert residual_type_for(48, QT.Q8_0) == QT.F16
+    # width 288 = 9 x 32: no K-quant fits, as with SmolLM2's 576
+    src = write_llama_gguf(tmp_path / "tiny.gguf", tiny_llama_weights(n_embd=288, n_ff=576))
+    rep = split_model(src, tmp_path / "out", residual="q6_k", threads=2)
+    assert rep.fallbacks == len(rep.residual_tensors) > 0
+    assert rep.residual_types == {"Q8_0": rep.fallbacks}
+    assert split_info(tmp_path / "out").fallbacks == rep.fallbacks
+    assert assert_reconstructs(src, tmp_path / "out") == rep.fallbacks
+
+
+def test_existing_output_refused_then_forced(tiny_f32, tmp_path):
+    out = tmp_path / "out"
+    split_model(tiny_f32, out, threads=2)
+    before = (out / "residual.gguf").stat().st_mtime_ns
+    with pytest.raises(OutputError, match="already holds base.gguf and residual.gguf"):
+        split_model(tiny_f32, out, threads=2)
+    assert (out / "residual.gguf").stat().st_mtime_ns == before
+    split_model(tiny_f32, out, threads=2, force=True, residual="q8_0")
+    assert split_info(out).residual_type == "q8_0"
+
+
+def _no_outputs(out: Path) -> None:
+    if out.exists():
+        names = sorted(p.name for p in out.iterdir())
+        assert "base.gguf" not in names and "residual.gguf" not in names, names
+        assert not [n for n in names if n.startswith(".bitsplit") or ".bitsplit-" in n], names
+
+
+def test_bad_inputs(tmp_path, tiny_f32):
+    out = tmp_path / "out"
+    cases = []
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "text.gguf").write_text("hello, I am not a model\n" * 4)
+    data = tiny_f32.read_bytes()
+    (tmp_path / "trunc.gguf").write_bytes(data[: len(data) // 2])
+    (tmp_path / "header-only.gguf").write_bytes(data[:100])
+    cases += [
+        (tmp_path / "missing.gguf", InputError, "source file not found"),
+        (tmp_path, InputError, "is a directory"),
+        (tmp_path / "empty.gguf", GGUFFormatError, "not a GGUF file"),
+        (tmp_path / "text.gguf", GGUFFormatError, "not a GGUF file"),
+        (tmp_path / "trunc.gguf", GGUFFormatError, "truncated GGUF"),
+        (tmp_path / "header-only.gguf", GGUFFormatError, "truncated GGUF"),
+    ]
+    for path, exc, msg in cases:
+        with pytest.raises(exc, match=msg) as ei:
+            split_model(path, out, threads=2)
+        assert str(path) in str(ei.value)
+        _no_outputs(out)
+
+
+def test_unknown_architecture(tmp_path):
+    src = write_llama_gguf(tmp_path / "alien.gguf", tiny_llama_weights(), arch="notanarch")
+    with pytest.raises(UnsupportedModelError, match="llama.cpp could not quantize it: .*notanarch"):
+        split_model(src, tmp_path / "out", threads=2)
+    _no_outputs(tmp_path / "out")
+
+
+def test_invalid_options(tiny_f32, tmp_path):
+    with pytest.raises(InvalidOptionError, match="unknown residual type 'q5_k'"):
+        split_model(tiny_f32, tmp_path / "out", residual="q5_k")
+    with pytest.raises(InvalidOptionError, match="threads"):
+        split_model(tiny_f32, tmp_path / "out", threads=0)
+    with pytest.raises(InputError, match="imatrix file not found"):
+        split_model(tiny_f32, tmp_path / "out", imatrix=tmp_path / "nope.dat")
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(OutputError, match="not a directory"):
+        split_model(tiny_f32, f, threads=2)
+    _no_outputs(tmp_path / "out")
+
+
+def test_unwritable_output_dir(tiny_f32, tmp_path):
+    if os.geteuid() == 0:
+        ro = Path("/proc/bitsplit-test-out")  # not creatable even by root
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+    with pytest.raises(OutputError):
+        split_model(tiny_f32, ro, threads=2)
+
+
+def test_disk_full_predicted(tiny_f32, tmp_path, monkeypatch):
+    import bitsplit_llama.split as sp
+
+    monkeypatch.setattr(sp.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
+    with pytest.raises(OutputError, match="disk full"):
+        split_model(tiny_f32, tmp_path / "out", threads=2)
+    _no_outputs(tmp_path / "out")
+
+
+def test_disk_full_during_write(tiny_f32, tmp_path, monkeypatch):
+    from bitsplit_llama import gguf_file
+
+    calls = {"n": 0}
+    real = gguf_file.StreamingGGUFWriter.write
+
+    def failing(self, data):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(gguf_file.StreamingGGUFWriter, "write", failing)
+    with pytest.raises(OutputError, match="disk full while writing"):
+        split_model(tiny_f32, tmp_path / "out", threads=2)
+    _no_outputs(tmp_path / "out")
+
+
+def test_interrupt_leaves_nothing(tiny_f32, tmp_path, monkeypatch):
+    from bitsplit_llama import gguf_file
+
+    def interrupted(self, data):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_file.StreamingGGUFWriter, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        split_model(tiny_f32, tmp_path / "out", threads=2)
+    _no_outputs(tmp_path / "out")
+
+
+def test_mismatched_residual_refused(tmp_path):
+    a = write_tiny_llama(tmp_path / "a.gguf", seed=1)
+    b = write_tiny_llama(tmp_path / "b.gguf", seed=2)
+    split_model(a, tmp_path / "A", threads=2)
+    split_model(b, tmp_path / "B", threads=2)
+    # residual of A with the base of B: same shapes, other weights
+    with GGUFFile(tmp_path / "B" / "base.gguf") as base, GGUFFile(tmp_path / "A" / "residual.gguf") as res:
+        with pytest.raises(MismatchError, match="not made from this base"):
+            check_pair(base, res)
+        assert check_pair(base, res, check_fingerprint=False) is False
+    shutil.copy(tmp_path / "B" / "base.gguf", tmp_path / "A" / "base.gguf")
+    assert split_info(tmp_path / "A").fingerprint_ok is False
+
+
+@pytest.mark.parametrize("sig,delay", [("SIGINT", 0.0), ("SIGINT", 1.5), ("SIGTERM", 1.0), ("SIGKILL", 0.0), ("SIGKILL", 1.5)])
+def test_killed_split_leaves_no_outputs_and_rerun_succeeds(tmp_path, sig, delay):
+    """A split killed part-way leaves no base.gguf/residual.gguf; the next run succeeds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = write_llama_gguf(tmp_path / "mid.gguf", tiny_llama_weights(n_layer=8, n_embd=1024, n_ff=2048))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bitsplit_llama.cli", "split", str(src), "-o", str(out), "-q", "-t", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()  # wait until the split is under way (its temporaries exist), then a while more
+    while not list(out.glob(".*.tmp")) and proc.poll() is None and time.monotonic() - t0 < 60:
+        time.sleep(0.02)
+    time.sleep(delay)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip(f"split finished before {sig} at {delay}s")  # nothing to check: it completed
+    names = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert "base.gguf" not in names and "residual.gguf" not in names, names
+    if sig != "SIGKILL":
+        assert not names, names  # temporaries removed too
+        assert proc.returncode in (1, 130) and "interrupted" in err
+    # the quantizer child must not survive its parent
+    time.sleep(0.5)
+    ps = subprocess.run(["pgrep", "-f", f"_quantize_worker.*{out}"], capture_output=True, text=True)
+    assert not ps.stdout.strip(), ps.stdout
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["base.gguf", "residual.gguf"]
