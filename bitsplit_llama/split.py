@@ -329,15 +329,10 @@ def split_model(
             base_seconds = time.monotonic() - t_base
 
             t_res = time.monotonic()
+            plan, exact = _make_residual(src, base_tmp, res_tmp, wanted, residual.lower(), base_ftype, imatrix_path,
+                                         threads, progress)
             with GGUFFile(base_tmp, role="base") as base:
-                plan, exact = _plan_residuals(src, base, wanted)
-                base_fp = fingerprint(base)
-                src_fp = fingerprint(src)
                 base_types = dict(Counter(t.type_name for t in base.tensors))
-                res_bytes_est = sum(_ggml.row_size(r.residual_type, r.shape[0]) * math.prod(r.shape[1:]) for r in plan)
-                _check_space(out_dir, res_bytes_est + (16 << 20))
-                _write_residual(res_tmp, src, base, plan, residual.lower(), base_fp, src_fp, base_ftype,
-                                imatrix_path, threads, progress)
                 base_bytes = sum(t.nbytes for t in base.tensors)
             residual_seconds = time.monotonic() - t_res
 
@@ -364,6 +359,27 @@ def split_model(
         residual_types=dict(Counter(type_name(r.residual_type) for r in plan)),
         fallbacks=sum(r.fallback for r in plan), exact_tensors=exact, residual_tensors=plan,
     )
+
+
+def _make_residual(src: GGUFFile, base_path: Path, res_path: Path, wanted: int, residual: str, base_ftype: str,
+                   imatrix: Path | None, threads: int, progress: Progress | None) -> tuple[list[ResidualTensor], int]:
+    with GGUFFile(base_path, role="base") as base:
+        plan, exact = _plan_residuals(src, base, wanted)
+        res_bytes_est = sum(_ggml.row_size(r.residual_type, r.shape[0]) * math.prod(r.shape[1:]) for r in plan)
+        _check_space(res_path.parent, res_bytes_est + (16 << 20))
+        _write_residual(res_path, src, base, plan, residual, fingerprint(base), fingerprint(src), base_ftype,
+                        imatrix, threads, progress)
+    return plan, exact
+
+
+def make_residual(source: str | os.PathLike[str], base: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                  residual: str = "q6_k", threads: int = 1, base_type: str = "custom") -> list[ResidualTensor]:
+    """Write the residual of ``source`` against an existing ``base`` GGUF to ``out`` (no atomicity:
+    for tests and experiments with bases not made by llama.cpp's quantizer, e.g. an F32 base)."""
+    wanted = parse_residual_type(residual)
+    with GGUFFile(source, role="source") as src:
+        plan, _ = _make_residual(src, Path(base), Path(out), wanted, residual.lower(), base_type, None, threads, None)
+    return plan
 
 
 def _fsync_dir(d: Path) -> None:

@@ -40,7 +40,7 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
 def _store(w: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: int) -> None:
     """Add ``arr`` (numpy order: rows x width) stored as ``qtype``."""
     arr = np.ascontiguousarray(arr, dtype=np.float32)
-    if qtype == int(QT.F32) or arr.ndim == 1:
+    if qtype == int(QT.F32) or arr.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
         w.add_tensor(name, arr)
     elif qtype == int(QT.F16):
         w.add_tensor(name, arr.astype(np.float16))
@@ -56,7 +56,9 @@ def _store(w: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: int) -> None:
 
 
 def tiny_llama_weights(seed: int = 0, n_vocab: int | None = None, n_layer: int = N_LAYER,
-                       n_embd: int = N_EMBD, n_ff: int = N_FF) -> dict[str, np.ndarray]:
+                       n_embd: int = N_EMBD, n_ff: int = N_FF, n_expert: int = 0) -> dict[str, np.ndarray]:
+    """Weights in numpy order (rows, width); with ``n_expert`` the FFN is a mixture of experts
+    (3-D tensors: experts, rows, width) as in Mixtral-style llama models."""
     rng = np.random.default_rng(seed)
     nv = n_vocab or len(vocab()[0])
     hd = n_embd // N_HEAD
@@ -80,9 +82,15 @@ def tiny_llama_weights(seed: int = 0, n_vocab: int | None = None, n_layer: int =
         t[p + "attn_v.weight"] = mat(N_HEAD_KV * hd, n_embd, 0.06)
         t[p + "attn_output.weight"] = mat(n_embd, n_embd, 0.06)
         t[p + "ffn_norm.weight"] = (1.0 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32)
-        t[p + "ffn_gate.weight"] = mat(n_ff, n_embd, 0.06)
-        t[p + "ffn_up.weight"] = mat(n_ff, n_embd, 0.06)
-        t[p + "ffn_down.weight"] = mat(n_embd, n_ff, 0.04)
+        if n_expert:
+            t[p + "ffn_gate_inp.weight"] = mat(n_expert, n_embd, 0.5)
+            t[p + "ffn_gate_exps.weight"] = np.stack([mat(n_ff, n_embd, 0.06) for _ in range(n_expert)])
+            t[p + "ffn_up_exps.weight"] = np.stack([mat(n_ff, n_embd, 0.06) for _ in range(n_expert)])
+            t[p + "ffn_down_exps.weight"] = np.stack([mat(n_embd, n_ff, 0.04) for _ in range(n_expert)])
+        else:
+            t[p + "ffn_gate.weight"] = mat(n_ff, n_embd, 0.06)
+            t[p + "ffn_up.weight"] = mat(n_ff, n_embd, 0.06)
+            t[p + "ffn_down.weight"] = mat(n_embd, n_ff, 0.04)
     return t
 
 
@@ -93,7 +101,8 @@ def write_llama_gguf(path: Path, weights: dict[str, np.ndarray], qtype: int = in
     ``types`` names another type for a tensor."""
     tokens, scores, ttypes = vocab()
     nv, n_embd = weights["token_embd.weight"].shape
-    n_ff = weights["blk.0.ffn_up.weight"].shape[0]
+    moe = "blk.0.ffn_up_exps.weight" in weights
+    n_ff = weights["blk.0.ffn_up_exps.weight" if moe else "blk.0.ffn_up.weight"].shape[-2]
     while len(tokens) < nv:  # pad the vocabulary with unused pieces
         tokens.append(f"\u2581x{len(tokens)}")
         scores.append(-1000.0 - len(tokens))
@@ -108,6 +117,9 @@ def write_llama_gguf(path: Path, weights: dict[str, np.ndarray], qtype: int = in
     w.add_head_count_kv(N_HEAD_KV)
     w.add_rope_dimension_count(n_embd // N_HEAD)
     w.add_layer_norm_rms_eps(1e-5)
+    if moe:
+        w.add_expert_count(weights["blk.0.ffn_up_exps.weight"].shape[0])
+        w.add_expert_used_count(2)
     w.add_file_type(0)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)

@@ -315,3 +315,59 @@ def test_killed_split_leaves_no_outputs_and_rerun_succeeds(tmp_path, sig, delay)
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert sorted(p.name for p in out.iterdir()) == ["base.gguf", "residual.gguf"]
+
+
+def _write_legacy_imatrix(path: Path, weights: dict[str, np.ndarray], seed: int = 7) -> None:
+    import struct
+
+    rng = np.random.default_rng(seed)
+    entries = {k: v for k, v in weights.items() if v.ndim == 2 and k != "token_embd.weight"}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<i", len(entries)))
+        for name, w in entries.items():
+            vals = (rng.random(w.shape[1]) ** 4 * 100).astype(np.float32)  # very uneven importance
+            nb = name.encode()
+            f.write(struct.pack("<i", len(nb)) + nb + struct.pack("<ii", 1, vals.size) + vals.tobytes())
+        f.write(struct.pack("<i", 10) + struct.pack("<i", 4) + b"test")
+
+
+def _write_gguf_imatrix(path: Path, weights: dict[str, np.ndarray]) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "imatrix")
+    for name, t in weights.items():
+        if t.ndim == 2 and name != "token_embd.weight":
+            w.add_tensor(name + ".in_sum2", (np.arange(t.shape[1], dtype=np.float32)[None, :] + 1.0) * 3)
+            w.add_tensor(name + ".counts", np.array([[3.0]], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "gguf"])
+def test_imatrix_changes_the_base(tmp_path, tiny_f32, tiny_split, fmt):
+    from bitsplit_llama.imatrix import load_imatrix
+
+    weights = tiny_llama_weights()
+    im = tmp_path / f"imatrix.{fmt}"
+    (_write_legacy_imatrix if fmt == "legacy" else _write_gguf_imatrix)(im, weights)
+    data = load_imatrix(im)
+    assert data["blk.0.ffn_up.weight"].shape == (256,)
+    if fmt == "gguf":  # sums / counts
+        assert np.allclose(data["blk.0.ffn_up.weight"][:3], [1.0, 2.0, 3.0])
+    rep = split_model(tiny_f32, tmp_path / "out", imatrix=im, threads=2)
+    with GGUFFile(rep.base_path) as b, GGUFFile(tiny_split / "base.gguf") as b0, GGUFFile(rep.residual_path) as r:
+        t, t0 = b.tensor("blk.0.ffn_up.weight"), b0.tensor("blk.0.ffn_up.weight")
+        assert t.ggml_type == t0.ggml_type == QT.Q2_K
+        assert not np.array_equal(b.read_rows(t, 0, t.n_rows), b0.read_rows(t0, 0, t0.n_rows))
+        assert r.kv["bitsplit.imatrix"] == im.name
+    assert assert_reconstructs(tiny_f32, tmp_path / "out") > 0
+
+
+def test_bad_imatrix(tmp_path, tiny_f32):
+    bad = tmp_path / "bad.dat"
+    bad.write_bytes(b"\x05\x00\x00\x00\x10\x00\x00\x00abc")
+    with pytest.raises(GGUFFormatError, match="truncated imatrix"):
+        split_model(tiny_f32, tmp_path / "out", imatrix=bad)
+    _no_outputs(tmp_path / "out")

@@ -1,0 +1,173 @@
+"""An owning object over the native residual context: residual.gguf mapped and checked against
+its base, ready to be installed as a llama.cpp eval callback."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import native
+from .errors import GGUFFormatError, InputError, InvalidOptionError, MismatchError, NativeError, UnsupportedModelError
+from .gguf_file import GGUFFile
+from .modeldir import check_pair, split_paths
+
+PRECISIONS = {"auto": 0, "f32": 1, "bf16": 2}
+MODES = {"auto": 0, "add": 1}
+
+_STATUS_ERRORS = {1: InputError, 2: GGUFFormatError, 3: MismatchError, 4: UnsupportedModelError, 5: NativeError,
+                  6: InvalidOptionError, 7: NativeError}
+
+
+@dataclass
+class Counters:
+    n_products: int
+    n_add_products: int
+    n_get_rows: int
+    n_columns: int
+    bytes_residual: int
+    bytes_base: int
+    seconds_inside: float
+    n_errors: int
+
+
+def _raise(status: int, message: str) -> None:
+    raise _STATUS_ERRORS.get(status, NativeError)(message)
+
+
+class Residual:
+    """residual.gguf + base.gguf of a split model, validated, in a native context.
+
+    Validation happens twice on purpose: in Python (format, fingerprint of the base, names,
+    shapes, types, with messages naming the file and tensor) and again in C before the library
+    touches any tensor memory.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str] | None = None, *, base: str | os.PathLike[str] | None = None,
+                 residual: str | os.PathLike[str] | None = None, check_fingerprint: bool = True):
+        if model_dir is not None:
+            base_p, res_p = split_paths(model_dir)
+        else:
+            if base is None or residual is None:
+                raise InvalidOptionError("Residual needs a model directory, or both base= and residual=")
+            base_p, res_p = Path(base), Path(residual)
+        self.base_path, self.residual_path = base_p, res_p
+        with GGUFFile(base_p, role="base") as b, GGUFFile(res_p, role="residual") as r:
+            check_pair(b, r, check_fingerprint=check_fingerprint)
+            self.architecture = b.architecture
+        self._ffi, self._lib = native.load()
+        out = self._ffi.new("bitsplit_ctx **")
+        err = self._ffi.new("char[]", 1024)
+        st = self._lib.bitsplit_ctx_load(str(res_p).encode(), str(base_p).encode(), out, err, 1024)
+        if st != 0:
+            _raise(st, self._ffi.string(err).decode(errors="replace"))
+        self._ptr = out[0]
+
+    # -- ownership ---------------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_ptr", None) is not None:
+            self._lib.bitsplit_ctx_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> "Residual":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self):  # noqa: D105
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise NativeError("the residual context is closed")
+        return self._ptr
+
+    @property
+    def address(self) -> int:
+        """The context's address, for llama_context_params.cb_eval_user_data."""
+        return int(self._ffi.cast("uintptr_t", self.ptr))
+
+    # -- switches -----------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return bool(self._lib.bitsplit_ctx_get_enabled(self.ptr))
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._lib.bitsplit_ctx_set_enabled(self.ptr, bool(on))
+
+    def set_precision(self, precision: str) -> None:
+        if precision not in PRECISIONS:
+            raise InvalidOptionError(f"precision '{precision}' unknown (expected one of: {', '.join(PRECISIONS)})")
+        self._lib.bitsplit_ctx_set_precision(self.ptr, PRECISIONS[precision])
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise InvalidOptionError(f"mode '{mode}' unknown (expected one of: {', '.join(MODES)})")
+        self._lib.bitsplit_ctx_set_mode(self.ptr, MODES[mode])
+
+    def set_threads(self, n: int) -> None:
+        if self._lib.bitsplit_ctx_set_threads(self.ptr, int(n)) != 0:
+            raise InvalidOptionError(f"threads: {n} is not in 1..64")
+
+    def set_kernel(self, name: str | None) -> str:
+        st = self._lib.bitsplit_ctx_set_kernel(self.ptr, (name or "").encode())
+        if st != 0:
+            raise UnsupportedModelError(f"kernel family '{name}' cannot run on this CPU")
+        return self.kernel
+
+    @property
+    def kernel(self) -> str:
+        return self._ffi.string(self._lib.bitsplit_ctx_kernel(self.ptr)).decode()
+
+    # -- observation ----------------------------------------------------------------------------
+    def counters(self) -> Counters:
+        c = self._ffi.new("bitsplit_counters *")
+        self._lib.bitsplit_ctx_get_counters(self.ptr, c)
+        return Counters(c.n_products, c.n_add_products, c.n_get_rows, c.n_columns, c.bytes_residual, c.bytes_base,
+                        c.ns_inside / 1e9, c.n_errors)
+
+    def reset_counters(self) -> None:
+        self._lib.bitsplit_ctx_reset_counters(self.ptr)
+
+    def raise_pending_error(self) -> None:
+        """Raise the first error the callback recorded during evaluation, if any."""
+        buf = self._ffi.new("char[]", 1024)
+        st = self._lib.bitsplit_ctx_take_error(self.ptr, buf, 1024)
+        if st != 0:
+            _raise(st, f"{self.residual_path}: {self._ffi.string(buf).decode(errors='replace')}")
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...], int, int]]:
+        out = []
+        name = self._ffi.new("char **")
+        ne = self._ffi.new("int64_t[4]")
+        bt = self._ffi.new("int *")
+        rt = self._ffi.new("int *")
+        for i in range(self._lib.bitsplit_ctx_n_tensors(self.ptr)):
+            self._lib.bitsplit_ctx_tensor_info(self.ptr, i, self._ffi.cast("const char **", name), ne, bt, rt)
+            out.append((self._ffi.string(name[0]).decode(), tuple(ne[j] for j in range(4)), bt[0], rt[0]))
+        return out
+
+    def matmul(self, name: str, x: np.ndarray, with_base: bool = True) -> np.ndarray:
+        """(W2 + R) . x (or R . x) for a 2-D weight, x of shape (n_cols, ne0): the callback's kernels
+        on this context's own threads. Returns (n_cols, ne1) float32."""
+        info = {t[0]: t for t in self.tensors()}
+        if name not in info:
+            raise InputError(f"{self.residual_path}: has no tensor '{name}'")
+        ne = info[name][1]
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != ne[0]:
+            raise InvalidOptionError(f"x must have shape (n_cols, {ne[0]}), got {x.shape}")
+        y = np.empty((x.shape[0], ne[1]), dtype=np.float32)
+        st = self._lib.bitsplit_ctx_matmul(self.ptr, name.encode(), self._ffi.cast("float *", x.ctypes.data),
+                                           x.shape[0], self._ffi.cast("float *", y.ctypes.data), bool(with_base))
+        if st != 0:
+            _raise(st, f"matmul on '{name}' failed: {native.status_text(st)}")
+        return y

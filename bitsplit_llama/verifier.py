@@ -1,0 +1,81 @@
+"""A split model loaded for inference: one llama.cpp context over base.gguf whose eval callback
+is the native residual context. With the residual enabled the context computes the verifier
+(base + residual); disabled, the plain base (the drafter). Both roles share the one KV cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+from . import native
+from .errors import BusyError
+from .residual import Residual
+from .runtime import Context, Model
+
+
+class SplitModel:
+    """base.gguf in llama.cpp + residual.gguf in the native library, one context.
+
+    Use ``with m.verifying(): m.ctx.decode(...)`` for verifier passes and ``with m.drafting():``
+    for base-only passes. ``close()`` frees the context, then the model, then the residual (the
+    callback must not outlive what it points to).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 2048, n_batch: int = 512,
+                 n_ubatch: int | None = None, n_seq_max: int = 1, n_threads: int | None = None,
+                 n_gpu_layers: int = 0, precision: str = "auto", verbose: bool = False,
+                 check_fingerprint: bool = True, flash_attn: bool | None = None, kv_type: str = "f16"):
+        self.dir = Path(model_dir)
+        self._lock = threading.Lock()
+        self.residual = Residual(model_dir, check_fingerprint=check_fingerprint)
+        try:
+            self.residual.set_precision(precision)
+            self.model = Model(self.residual.base_path, n_gpu_layers=n_gpu_layers, verbose=verbose)
+            try:
+                self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
+                                   n_threads=n_threads, cb_eval=native.callback_address(),
+                                   cb_eval_user_data=self.residual.address, flash_attn=flash_attn,
+                                   kv_type=kv_type)
+            except BaseException:
+                self.model.close()
+                raise
+            self.residual.set_threads(self.ctx.n_threads)
+        except BaseException:
+            self.residual.close()
+            raise
+
+    def close(self) -> None:
+        for name in ("ctx", "model", "residual"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                obj.close()
+
+    def __enter__(self) -> "SplitModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _role(self, verify: bool):
+        if not self._lock.acquire(blocking=False):
+            raise BusyError(f"{self.dir}: the model is in use by another call")
+        try:
+            self.residual.enabled = verify
+            yield self.ctx
+            if verify:
+                self.residual.raise_pending_error()
+        finally:
+            self.residual.enabled = False
+            self._lock.release()
+
+    def verifying(self):
+        """Context manager: decodes inside run as the verifier (base + residual)."""
+        return self._role(True)
+
+    def drafting(self):
+        """Context manager: decodes inside run on the base alone."""
+        return self._role(False)

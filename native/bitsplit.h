@@ -1,0 +1,120 @@
+/*
+ * bitsplit: residual weights in host memory, applied inside llama.cpp's graph.
+ *
+ * A bitsplit context holds residual.gguf (memory-mapped, never copied), checked against the base
+ * model it corrects. Installed as a llama.cpp eval callback (llama_context_params.cb_eval, with
+ * cb_eval_user_data = the context), it turns every weight product of the base into the verifier's:
+ *
+ *   MUL_MAT(W2, x)      ->  (W2 + R) . x
+ *   GET_ROWS(W2, ids)   ->  W2[ids] + R[ids]              (token embeddings)
+ *   MUL_MAT_ID(W2, x)   ->  (W2_e + R_e) . x per expert   (mixture of experts)
+ *
+ * On the CPU the node is computed by this library instead of ggml's kernel (one pass over both
+ * halves of each weight block for the whole batch, with full-precision activations). A node that
+ * lives in a device buffer (GPU offload) keeps the device's W2 . x and gets R . x added, computed
+ * here from activations copied with ggml_backend_tensor_get/set (unverified until a GPU run).
+ * Disabled, the callback observes nothing and the graph runs untouched (the drafter).
+ *
+ * Every function returns a bitsplit_status; bitsplit_status_str() names it. Messages that need
+ * detail (which file, which tensor) are written to the caller's buffer.
+ */
+#ifndef BITSPLIT_H
+#define BITSPLIT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ggml_tensor;
+
+typedef struct bitsplit_ctx bitsplit_ctx;
+
+enum bitsplit_status {
+    BITSPLIT_OK = 0,
+    BITSPLIT_E_IO = 1,          /* a file cannot be opened, read or mapped */
+    BITSPLIT_E_FORMAT = 2,      /* not a well-formed (bitsplit) GGUF */
+    BITSPLIT_E_MISMATCH = 3,    /* residual and base do not belong together */
+    BITSPLIT_E_UNSUPPORTED = 4, /* a tensor type or shape this library cannot apply */
+    BITSPLIT_E_NOMEM = 5,
+    BITSPLIT_E_INVALID = 6,     /* a bad argument */
+    BITSPLIT_E_STATE = 7,       /* an error was recorded while evaluating a graph */
+};
+
+/* precision of the verifier's products (activations and combined weights) */
+enum bitsplit_precision {
+    BITSPLIT_PREC_AUTO = 0,     /* BF16 for quantized weights, F32 when a half is F32/F16 */
+    BITSPLIT_PREC_F32 = 1,      /* exact: f32 weights (W2 + R) and f32 activations */
+    BITSPLIT_PREC_BF16 = 2,     /* bf16(W2 + R) . bf16(x), products exact, f32 accumulation */
+};
+
+/* how a hooked product is applied */
+enum bitsplit_mode {
+    BITSPLIT_MODE_AUTO = 0,     /* CPU nodes: replace; device nodes: add */
+    BITSPLIT_MODE_ADD = 1,      /* keep the graph's W2 . x and add R . x afterwards (GPU path) */
+};
+
+typedef struct bitsplit_counters {
+    uint64_t n_products;        /* weight products computed as (W2 + R) . x */
+    uint64_t n_add_products;    /* products corrected by adding R . x after the graph's node */
+    uint64_t n_get_rows;        /* embedding lookups corrected */
+    uint64_t n_columns;         /* activation columns over all hooked products */
+    uint64_t bytes_residual;    /* residual bytes read */
+    uint64_t bytes_base;        /* base weight bytes read by this library */
+    uint64_t ns_inside;         /* wall time inside this library's products, nanoseconds */
+    uint64_t n_errors;          /* graph nodes refused (recorded error; see bitsplit_ctx_last_error) */
+} bitsplit_counters;
+
+const char * bitsplit_status_str(int status);
+
+/* Open residual_path (mmap) and check it against the base GGUF at base_path: every residual
+ * tensor must name a base tensor of the same shape, of a type this library can read, and the
+ * residual type must be Q6_K, Q8_0, F16 or F32. On failure *out is NULL and err holds one line. */
+int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitsplit_ctx ** out,
+                      char * err, size_t err_size);
+void bitsplit_ctx_free(bitsplit_ctx * ctx);
+
+int64_t bitsplit_ctx_n_tensors(const bitsplit_ctx * ctx);
+/* name, GGUF-order shape (ne[4]), base and residual ggml types of residual tensor i */
+int bitsplit_ctx_tensor_info(const bitsplit_ctx * ctx, int64_t i, const char ** name, int64_t ne[4],
+                             int * base_type, int * res_type);
+
+void bitsplit_ctx_set_enabled(bitsplit_ctx * ctx, bool enabled);
+bool bitsplit_ctx_get_enabled(const bitsplit_ctx * ctx);
+int  bitsplit_ctx_set_precision(bitsplit_ctx * ctx, int precision);
+int  bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode);
+/* threads for work outside ggml's own thread pool (add mode, bitsplit_ctx_matmul) */
+int  bitsplit_ctx_set_threads(bitsplit_ctx * ctx, int n_threads);
+
+void bitsplit_ctx_get_counters(const bitsplit_ctx * ctx, bitsplit_counters * out);
+void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx);
+/* BITSPLIT_OK, or the status of the first error recorded during evaluation (message in buf);
+ * the error is cleared by this call. */
+int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size);
+
+/* The llama.cpp / ggml scheduler eval callback; user_data is a bitsplit_ctx. */
+bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data);
+
+/* y[c][r] = sum_k (with_base ? W2[r][k] : 0) + R[r][k]) * x[c][k] for residual tensor `name`,
+ * r < ne1 (all rows of a 2-D weight), c < n_cols; x is n_cols rows of ne0 floats, y n_cols rows of
+ * ne1 floats. base_data: the base weight's bytes (NULL: this library's own map of base.gguf).
+ * For tests and benchmarks: the same kernels the callback uses, on this library's threads. */
+int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols,
+                        float * y, bool with_base);
+
+/* the fastest kernel family this CPU runs ("amx-bf16", "avx512-bf16", "generic"), or the one
+ * named by the environment variable BITSPLIT_KERNEL */
+const char * bitsplit_kernel_name(void);
+/* use the named family for this context (NULL or "": the fastest); BITSPLIT_E_UNSUPPORTED if this
+ * CPU cannot run it. Every family computes the same products; tests compare them. */
+int bitsplit_ctx_set_kernel(bitsplit_ctx * ctx, const char * name);
+const char * bitsplit_ctx_kernel(const bitsplit_ctx * ctx);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* BITSPLIT_H */

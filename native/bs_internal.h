@@ -1,0 +1,73 @@
+/* Internal declarations shared by bitsplit.c and the kernels; not part of the API. */
+#ifndef BS_INTERNAL_H
+#define BS_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ggml.h"
+
+#define BS_MAX_THREADS 64
+#define BS_ROW_BLOCK 16          /* rows computed together (one AMX tile of outputs) */
+
+typedef struct bs_entry {
+    char name[GGML_MAX_NAME];
+    int64_t ne[4];               /* GGUF/ggml order: ne[0] = row width */
+    int64_t n_rows;              /* ne1 * ne2 * ne3 */
+    enum ggml_type base_type;
+    enum ggml_type res_type;
+    size_t base_row_bytes;
+    size_t res_row_bytes;
+    const uint8_t * res_data;    /* in the residual's map */
+    const uint8_t * base_data;   /* in this library's map of base.gguf */
+    struct bitsplit_ctx * ctx;
+} bs_entry;
+
+/* Per-thread scratch, grown by its own thread only. */
+typedef struct bs_scratch {
+    void * buf;
+    size_t size;
+} bs_scratch;
+
+/* One weight product over a range of rows: y[c][r] (+)= sum_k (W2[r][k] + R[r][k]) x[c][k]. */
+typedef struct bs_job {
+    const uint8_t * w2;          /* base rows (row 0 of this matrix), NULL in add mode */
+    const uint8_t * r;           /* residual rows (row 0) */
+    enum ggml_type w2_type, r_type;
+    size_t w2_row_bytes, r_row_bytes;
+    int64_t K;                   /* row width */
+    int64_t N;                   /* rows */
+    const float * x;             /* n_cols columns of K floats, ldx apart */
+    int64_t ldx;
+    int64_t n_cols;
+    float * y;                   /* n_cols columns of N floats, ldy apart */
+    int64_t ldy;
+    bool accumulate;             /* y += ... instead of y = ... */
+    int precision;               /* BITSPLIT_PREC_F32 or BITSPLIT_PREC_BF16 (resolved) */
+    void * acts;                 /* activations prepared once per job (shared by the threads) */
+} bs_job;
+
+typedef struct bs_kernel_family {
+    const char * name;
+    bool (*available)(void);
+    /* whether this family computes this job (types, precision); else the generic family does */
+    bool (*supports)(const bs_job * job);
+    /* bytes of shared activation buffer for a job (0: the kernel reads x directly) */
+    size_t (*acts_size)(const bs_job * job);
+    /* fill job->acts, columns [c0, c1) (each thread does a share) */
+    void (*prepare_acts)(const bs_job * job, int64_t c0, int64_t c1);
+    /* compute rows [r0, r1) (multiples of BS_ROW_BLOCK except at the end) */
+    void (*rows)(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch);
+} bs_kernel_family;
+
+/* kernels.c */
+const bs_kernel_family * bs_kernels_select(const char * force);
+const bs_kernel_family * bs_generic_family(void);
+void * bs_scratch_get(bs_scratch * s, size_t size);
+void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k);
+bool bs_type_readable(enum ggml_type type);
+uint64_t bs_now_ns(void);
+
+#endif

@@ -1,0 +1,180 @@
+/*
+ * The verifier's weight products: y = (W2 + R) . x over a range of output rows, for the whole
+ * batch at once. Each block of weights is unpacked once (base and residual together) and applied
+ * to every activation column, so the cost of a batch grows with its compute, not with re-reading
+ * and re-unpacking the weights column by column as ggml's vec_dot kernels do.
+ *
+ * Numerics (both precisions are batch-invariant: a column's result never depends on the others):
+ *   F32   f32(W2) + f32(R) in f32, times f32 x, accumulated in f32: the exact verifier
+ *   BF16  bf16(f32(W2) + f32(R)) times bf16(x); every product is exact in f32 (8-bit mantissas),
+ *         sums in f32. No block scales on the activations, so outliers cost nothing to neighbours.
+ *
+ * This file holds the portable family ("generic") and the dispatcher; the x86 families live in
+ * kernels_x86.c and produce the same products (their f32 summation order differs).
+ */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "bs_internal.h"
+#include "bitsplit.h"
+
+uint64_t bs_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void * bs_scratch_get(bs_scratch * s, size_t size) {
+    if (s->size >= size) {
+        return s->buf;
+    }
+    size_t want = (size + 4095) & ~(size_t)4095;
+    void * p = NULL;
+    if (posix_memalign(&p, 64, want) != 0) {
+        return NULL;
+    }
+    free(s->buf);
+    s->buf = p;
+    s->size = want;
+    return p;
+}
+
+bool bs_type_readable(enum ggml_type type) {
+    if (type == GGML_TYPE_F32) {
+        return true;
+    }
+    if ((int)type < 0 || type >= GGML_TYPE_COUNT) {
+        return false;
+    }
+    const struct ggml_type_traits * tr = ggml_get_type_traits(type);
+    return tr != NULL && tr->to_float != NULL && tr->blck_size > 0 && tr->type_size > 0;
+}
+
+void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k) {
+    if (type == GGML_TYPE_F32) {
+        memcpy(out, row, (size_t)k * sizeof(float));
+        return;
+    }
+    ggml_get_type_traits(type)->to_float(row, out, k);
+}
+
+/* round-to-nearest-even to bf16, returned as the f32 it represents (NaN kept quiet) */
+static inline float bs_round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        u |= 0x00400000u;
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+    }
+    u &= 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * generic family: portable C, any readable types, both precisions
+ * ------------------------------------------------------------------------------------------- */
+
+static bool generic_available(void) { return true; }
+static bool generic_supports(const bs_job * job) { (void)job; return true; }
+
+static size_t generic_acts_size(const bs_job * job) {
+    return job->precision == BITSPLIT_PREC_BF16 ? (size_t)job->K * (size_t)job->n_cols * sizeof(float) : 0;
+}
+
+static void generic_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
+    if (job->precision != BITSPLIT_PREC_BF16) {
+        return;
+    }
+    float * a = (float *)job->acts;
+    for (int64_t c = c0; c < c1; c++) {
+        const float * x = job->x + c * job->ldx;
+        float * o = a + c * job->K;
+        for (int64_t k = 0; k < job->K; k++) {
+            o[k] = bs_round_bf16(x[k]);
+        }
+    }
+}
+
+/* 8 independent partial sums: vectorizable without reassociating a single chain */
+static inline float dot8(const float * a, const float * b, int64_t n) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int j = 0; j < 8; j++) {
+            s[j] += a[i + j] * b[i + j];
+        }
+    }
+    for (; i < n; i++) {
+        s[i & 7] += a[i] * b[i];
+    }
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+static void generic_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
+    const int64_t K = job->K;
+    float * w = (float *)bs_scratch_get(scratch, 2 * (size_t)K * sizeof(float));
+    if (w == NULL) {
+        return; /* the caller checked capacity before; cannot happen */
+    }
+    float * rr = w + K;
+    const bool bf16 = job->precision == BITSPLIT_PREC_BF16;
+    const float * xs = bf16 ? (const float *)job->acts : job->x;
+    const int64_t ldx = bf16 ? K : job->ldx;
+    for (int64_t r = r0; r < r1; r++) {
+        bs_dequant_row(job->r_type, job->r + (size_t)r * job->r_row_bytes, rr, K);
+        if (job->w2 != NULL) {
+            bs_dequant_row(job->w2_type, job->w2 + (size_t)r * job->w2_row_bytes, w, K);
+            for (int64_t k = 0; k < K; k++) {
+                w[k] += rr[k];
+            }
+        } else {
+            memcpy(w, rr, (size_t)K * sizeof(float));
+        }
+        if (bf16) {
+            for (int64_t k = 0; k < K; k++) {
+                w[k] = bs_round_bf16(w[k]);
+            }
+        }
+        for (int64_t c = 0; c < job->n_cols; c++) {
+            const float v = dot8(w, xs + c * ldx, K);
+            float * y = job->y + c * job->ldy + r;
+            *y = job->accumulate ? *y + v : v;
+        }
+    }
+}
+
+static const bs_kernel_family generic_family = {
+    "generic", generic_available, generic_supports, generic_acts_size, generic_prepare_acts, generic_rows,
+};
+
+/* x86 families, defined in kernels_x86.c when compiled for x86-64 */
+#if defined(__x86_64__)
+extern const bs_kernel_family bs_family_avx512_bf16;
+extern const bs_kernel_family bs_family_amx_bf16;
+#endif
+
+const bs_kernel_family * bs_kernels_select(const char * force) {
+    const bs_kernel_family * order[] = {
+#if defined(__x86_64__)
+        &bs_family_amx_bf16,
+        &bs_family_avx512_bf16,
+#endif
+        &generic_family,
+    };
+    for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++) {
+        const bs_kernel_family * f = order[i];
+        if (force != NULL && force[0] != '\0' && strcmp(force, f->name) != 0) {
+            continue;
+        }
+        if (f->available()) {
+            return f;
+        }
+    }
+    return &generic_family;
+}
+
+const bs_kernel_family * bs_generic_family(void) { return &generic_family; }

@@ -1,0 +1,217 @@
+"""The native residual library inside llama.cpp: exactness, switching, reuse, refusal of bad input."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as QT
+
+from bitsplit_llama import _ggml
+from bitsplit_llama.errors import GGUFFormatError, InputError, MismatchError, UnsupportedModelError
+from bitsplit_llama.gguf_file import GGUFFile
+from bitsplit_llama.residual import Residual
+from bitsplit_llama.runtime import Context, Model
+from bitsplit_llama.split import make_residual, split_model
+from bitsplit_llama.verifier import SplitModel
+from synth import tiny_llama_weights, write_llama_gguf
+
+TOKENS = [1] + list(range(260, 300))
+EXACT = dict(n_ctx=128, n_batch=64, kv_type="f32", flash_attn=False)  # llama.cpp's own batch noise off
+
+
+def _q2(v: np.ndarray) -> np.ndarray:
+    sh = v.shape
+    flat = v.reshape(-1, sh[-1])
+    return _ggml.dequantize_rows(_ggml.quantize_rows(flat, QT.Q2_K), QT.Q2_K, sh[-1]).reshape(sh)
+
+
+def make_f32_split(d: Path, n_expert: int = 0, seed: int = 3) -> tuple[Path, Path]:
+    """source (F32) + split whose base is dequant(Q2_K(W)) stored as F32 and residual F32: the
+    verifier must then equal the source model up to float rounding."""
+    d.mkdir(parents=True, exist_ok=True)
+    w = tiny_llama_weights(seed, n_expert=n_expert)
+    src = write_llama_gguf(d / "src.gguf", w)
+    w2 = {k: (_q2(v) if v.ndim >= 2 and not k.endswith("gate_inp.weight") else v) for k, v in w.items()}
+    (d / "split").mkdir(exist_ok=True)
+    write_llama_gguf(d / "split" / "base.gguf", w2)
+    make_residual(src, d / "split" / "base.gguf", d / "split" / "residual.gguf", residual="f32")
+    return src, d / "split"
+
+
+def logits_of(path: Path, tokens=TOKENS, **kw) -> np.ndarray:
+    m = Model(path)
+    c = Context(m, **kw)
+    try:
+        c.decode(tokens, list(range(len(tokens))))
+        return c.logits(len(tokens)).copy()
+    finally:
+        c.close()
+        m.close()
+
+
+@pytest.mark.parametrize("n_expert", [0, 4], ids=["dense", "moe"])
+def test_f32_split_verifier_equals_source(tmp_path, n_expert):
+    src, split = make_f32_split(tmp_path, n_expert)
+    ref = logits_of(src, **EXACT)
+    base = logits_of(split / "base.gguf", **EXACT)
+    with SplitModel(split, **EXACT) as sm:
+        with sm.verifying() as ctx:
+            ctx.decode(TOKENS, list(range(len(TOKENS))))
+            ver = ctx.logits(len(TOKENS)).copy()
+        c = sm.residual.counters()
+    assert np.abs(base - ref).max() > 0.1  # the base alone is far off...
+    assert np.abs(ver - ref).max() < 1e-3  # ...base + residual is the source
+    # every weight product and the embedding went through the library, nothing refused
+    n_layers = 2
+    assert c.n_products == n_layers * 7 + 1 and c.n_get_rows == 1 and c.n_errors == 0
+    assert c.n_columns > 0 and c.bytes_residual > 0
+
+
+def test_disabled_hook_leaves_base_bit_identical(tmp_path):
+    _, split = make_f32_split(tmp_path)
+    plain = logits_of(split / "base.gguf", n_ctx=128, n_batch=64)
+    with SplitModel(split, n_ctx=128, n_batch=64) as sm:
+        for _ in range(2):  # the second pass reuses llama.cpp's graph, which the verifier mutated
+            sm.ctx.clear()
+            with sm.verifying() as ctx:
+                ctx.decode(TOKENS, list(range(len(TOKENS))))
+            sm.ctx.clear()
+            with sm.drafting() as ctx:
+                ctx.decode(TOKENS, list(range(len(TOKENS))))
+                draft = ctx.logits(len(TOKENS)).copy()
+            assert np.array_equal(draft, plain)
+        assert sm.residual.counters().n_errors == 0
+
+
+def test_verifier_is_deterministic_across_graph_reuse(tmp_path):
+    _, split = make_f32_split(tmp_path)
+    outs = []
+    with SplitModel(split, n_ctx=128, n_batch=64) as sm:
+        for _ in range(3):
+            sm.ctx.clear()
+            with sm.verifying() as ctx:
+                ctx.decode(TOKENS, list(range(len(TOKENS))))
+                outs.append(ctx.logits(len(TOKENS)).copy())
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[1], outs[2])
+
+
+def test_add_mode_matches_replace_mode(tmp_path):
+    """The GPU path (keep the graph's W2.x, add R.x) run on the CPU agrees with the fused product."""
+    src, split = make_f32_split(tmp_path)
+    with SplitModel(split, **EXACT) as sm:
+        with sm.verifying() as ctx:
+            ctx.decode(TOKENS, list(range(len(TOKENS))))
+            fused = ctx.logits(len(TOKENS)).copy()
+        sm.residual.set_mode("add")
+        sm.ctx.clear()
+        with sm.verifying() as ctx:
+            ctx.decode(TOKENS, list(range(len(TOKENS))))
+            added = ctx.logits(len(TOKENS)).copy()
+        c = sm.residual.counters()
+    assert c.n_add_products == 15 and c.n_get_rows == 2
+    assert np.abs(fused - added).max() < 1e-3
+
+
+def test_matmul_matches_numpy(tiny_split, tiny_f32):
+    with Residual(tiny_split) as r, GGUFFile(tiny_split / "base.gguf") as b, \
+            GGUFFile(tiny_split / "residual.gguf") as rg:
+        name = "blk.0.ffn_down.weight"
+        bt, rt = b.tensor(name), rg.tensor(name)
+        W2 = _ggml.dequantize_rows(b.read_rows(bt, 0, bt.n_rows), bt.ggml_type, bt.n_per_row)
+        R = _ggml.dequantize_rows(rg.read_rows(rt, 0, rt.n_rows), rt.ggml_type, rt.n_per_row)
+        x = np.random.default_rng(0).standard_normal((5, bt.n_per_row)).astype(np.float32)
+        x[:, 3] *= 200.0  # an outlier channel: no block scale may flatten its neighbours
+        r.set_precision("f32")
+        y = r.matmul(name, x)
+        ref = x.astype(np.float64) @ (W2.astype(np.float64) + R).T
+        assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
+        r.set_precision("bf16")
+        yb = r.matmul(name, x)
+        assert np.abs(yb - ref).max() / np.abs(ref).max() < 1e-2
+        yr = r.matmul(name, x, with_base=False)
+        assert np.abs(yr - x @ R.T).max() / np.abs(x @ R.T).max() < 1e-2
+
+
+def test_batch_invariance_of_products(tiny_split):
+    """A column's result does not depend on the other columns of the batch (bit for bit)."""
+    with Residual(tiny_split) as r:
+        x = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
+        for prec in ("f32", "bf16"):
+            r.set_precision(prec)
+            full = r.matmul("blk.1.attn_q.weight", x)
+            for n in (1, 3, 7):
+                assert np.array_equal(r.matmul("blk.1.attn_q.weight", x[:n]), full[:n])
+
+
+# -- refusal ------------------------------------------------------------------------------------
+
+def test_residual_of_another_model_refused(tmp_path):
+    a = write_llama_gguf(tmp_path / "a.gguf", tiny_llama_weights(1))
+    b = write_llama_gguf(tmp_path / "b.gguf", tiny_llama_weights(2))
+    split_model(a, tmp_path / "A", threads=2)
+    split_model(b, tmp_path / "B", threads=2)
+    shutil.copy(tmp_path / "B" / "residual.gguf", tmp_path / "A" / "residual.gguf")
+    with pytest.raises(MismatchError, match="not made from this base"):
+        SplitModel(tmp_path / "A")
+
+
+def test_native_refuses_shape_mismatch_with_tensor_name(tmp_path):
+    """Even past the Python checks, the C library names the first bad tensor."""
+    a = write_llama_gguf(tmp_path / "a.gguf", tiny_llama_weights(1))
+    b = write_llama_gguf(tmp_path / "b.gguf", tiny_llama_weights(1, n_ff=768))
+    split_model(a, tmp_path / "A", threads=2)
+    split_model(b, tmp_path / "B", threads=2)
+    with pytest.raises(MismatchError, match=r"tensor 'blk\.0\.ffn_(down|gate|up)\.weight' is"):
+        Residual(base=tmp_path / "A" / "base.gguf", residual=tmp_path / "B" / "residual.gguf",
+                 check_fingerprint=False)
+
+
+def _corrupt(path: Path, out: Path, mutate) -> Path:
+    data = bytearray(path.read_bytes())
+    mutate(data)
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _tensor_info_offset(path: Path, name: str) -> int:
+    data = path.read_bytes()
+    i = data.find(name.encode())
+    assert i > 0
+    return i + len(name)  # n_dims (u32) follows the name
+
+
+@pytest.mark.parametrize("case", ["truncated", "dims", "type", "offset", "not-gguf", "empty"])
+def test_crafted_residual_refused_by_native(tiny_split, tmp_path, case):
+    """Corrupt residual.gguf files handed straight to the C loader: a clean error, never a crash."""
+    from bitsplit_llama import native
+
+    src = tiny_split / "residual.gguf"
+    name = "blk.0.ffn_up.weight"
+    off = _tensor_info_offset(src, name)
+    bad = tmp_path / "residual.gguf"
+    if case == "truncated":
+        _corrupt(src, bad, lambda d: d.__delitem__(slice(len(d) - 5000, len(d))))
+    elif case == "dims":
+        _corrupt(src, bad, lambda d: d.__setitem__(slice(off + 4, off + 12), struct.pack("<Q", 1 << 40)))
+    elif case == "type":
+        _corrupt(src, bad, lambda d: d.__setitem__(slice(off + 4 + 16, off + 24), struct.pack("<I", 99)))
+    elif case == "offset":
+        _corrupt(src, bad, lambda d: d.__setitem__(slice(off + 24, off + 32), struct.pack("<Q", 1 << 50)))
+    elif case == "not-gguf":
+        bad.write_bytes(b"not a gguf at all" * 100)
+    else:
+        bad.write_bytes(b"")
+    ffi, lib = native.load()
+    out = ffi.new("bitsplit_ctx **")
+    err = ffi.new("char[]", 512)
+    st = lib.bitsplit_ctx_load(str(bad).encode(), str(tiny_split / "base.gguf").encode(), out, err, 512)
+    assert st != 0 and out[0] == ffi.NULL
+    assert ffi.string(err).decode()
+    # and the Python entry point refuses it with a message naming the file
+    with pytest.raises((GGUFFormatError, InputError, UnsupportedModelError)) as ei:
+        Residual(base=tiny_split / "base.gguf", residual=bad)
+    assert str(bad) in str(ei.value)
