@@ -125,6 +125,60 @@ def info(
         raise typer.Exit(1)
 
 
+@app.command("eval")
+@handles_errors
+def eval_(
+    model_dir: Path = typer.Argument(..., help="A split model directory."),
+    reference: Path = typer.Option(..., "--reference", help="The source GGUF (dequantized to F32 if quantized)."),
+    text: Path = typer.Option(..., "--text", help="A UTF-8 text file to score on."),
+    vs: list[Path] = typer.Option([], "--vs", help="Other GGUFs of the same model to score alongside (repeatable)."),
+    n_ctx: int = typer.Option(512, "--n-ctx", help="Tokens per chunk (each chunk is one batch)."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Score at most this many chunks."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+    precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help="Print the scores as one JSON line."),
+) -> None:
+    """Score the split verifier (and --vs models) against the source: KL, top-1 agreement, perplexity."""
+    from .progress import make_progress
+    from .quality import evaluate
+    from .residual import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise InvalidOptionError(f"--precision: '{precision}' unknown (expected one of: {', '.join(PRECISIONS)})")
+    if threads is not None and threads < 1:
+        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
+    say = (lambda s: None) if quiet or as_json else (lambda s: print(s, file=sys.stderr, flush=True))
+    rep = evaluate(model_dir, reference, text, vs=vs, n_ctx=n_ctx, max_chunks=chunks, threads=threads,
+                   precision=precision, log=say, progress=make_progress(quiet or as_json))
+    if as_json:
+        _print_json(rep.to_json())
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{rep.n_tokens} tokens of {Path(rep.text).name} in {rep.n_chunks} chunks of {rep.n_ctx}; "
+                    f"reference {Path(rep.reference).name}")
+    for col in ("model", "KL mean", "KL mean (pos>0)", "KL p99", "top-1", "PPL", "time"):
+        t.add_column(col, justify="right" if col != "model" else "left")
+    for m in rep.models:
+        t.add_row(m.name, f"{m.kl_mean:.5f}", f"{m.kl_mean_after_first:.5f}", f"{m.kl_p99:.4f}", f"{100 * m.top1:.2f}%",
+                  f"{m.ppl:.4f}", f"{m.seconds:.0f} s")
+    Console().print(t)
+
+
+@app.command("build-native")
+@handles_errors
+def build_native(force: bool = typer.Option(False, "--force", help="Rebuild even if cached.")) -> None:
+    """Build the native library now (it is otherwise built on first use) and print where it is."""
+    from . import native
+
+    path = native.build(force=force, log=lambda s: print(s, file=sys.stderr, flush=True))
+    ffi, lib = native.load()
+    print(path)
+    print(f"kernels: {ffi.string(lib.bitsplit_kernel_name()).decode()}")
+
+
 @app.command()
 @handles_errors
 def fetch(

@@ -1,9 +1,562 @@
-/* x86-64 kernel families (AVX-512 BF16, AMX BF16), chosen at run time by CPU feature. */
-#include "bs_internal.h"
+/*
+ * x86-64 kernel families, compiled with per-function target attributes and chosen at run time:
+ *
+ *   amx-bf16     AVX-512 unpacks 16 rows x K of (W2 + R) into bf16 once; AMX tiles multiply them
+ *                with all activation columns (16 per tile, 4 tiles at a time). The weight unpack is
+ *                the whole cost: a batch of 16 costs about what one column does.
+ *   avx512-bf16  the same unpack; 4x4 register blocks of vdpbf16ps instead of tiles (Zen 4, and
+ *                Intel parts without AMX).
+ *
+ * Both compute bf16(f32(W2) + f32(R)) . bf16(x) with f32 accumulation, column by column in a
+ * fixed order (batch-invariant). Unpackers exist for the types llama.cpp's Q2_K mixes produce
+ * (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0) and for the residual types (Q6_K, Q8_0); any
+ * other readable type goes through ggml's own dequantizer, block by block.
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "bitsplit.h"
+#include "bs_internal.h"
 
-static bool unavailable(void) { return false; }
-static bool never(const bs_job * job) { (void)job; return false; }
+#if defined(__x86_64__)
 
-const bs_kernel_family bs_family_avx512_bf16 = { "avx512-bf16", unavailable, never, NULL, NULL, NULL };
-const bs_kernel_family bs_family_amx_bf16 = { "amx-bf16", unavailable, never, NULL, NULL, NULL };
+#define TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2")))
+#define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2,amx-tile,amx-bf16")))
+
+#define QK 256
+
+/* ---------------------------------------------------------------------------------------------
+ * CPU features
+ * ------------------------------------------------------------------------------------------- */
+
+static int cpu_avx512bf16 = -1;
+static int cpu_amx = -1;
+
+static void cpuid_count(unsigned leaf, unsigned sub, unsigned r[4]) {
+    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
+}
+
+static unsigned long long xgetbv0(void) {
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((unsigned long long)hi << 32) | lo;
+}
+
+static bool has_avx512bf16(void) {
+    if (cpu_avx512bf16 < 0) {
+        __builtin_cpu_init();
+        unsigned r[4];
+        cpuid_count(7, 1, r);
+        const bool bf16 = (r[0] >> 5) & 1; /* CPUID.(7,1):EAX[5] AVX512_BF16 */
+        const unsigned long long xcr0 = xgetbv0();
+        const bool os_zmm = (xcr0 & 0xe6) == 0xe6; /* SSE, AVX, opmask, ZMM state enabled */
+        cpu_avx512bf16 = bf16 && os_zmm && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+    return cpu_avx512bf16 == 1;
+}
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static bool has_amx(void) {
+    if (cpu_amx < 0) {
+        cpu_amx = 0;
+        if (has_avx512bf16()) {
+            unsigned r[4];
+            cpuid_count(7, 0, r);
+            const bool tile = (r[3] >> 24) & 1, bf16 = (r[3] >> 22) & 1;
+            const unsigned long long xcr0 = xgetbv0();
+            const bool os_tiles = ((xcr0 >> 17) & 3) == 3;
+            /* Linux hands out the tile state only on request (per process) */
+            if (tile && bf16 && os_tiles && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0) {
+                cpu_amx = 1;
+            }
+        }
+    }
+    return cpu_amx == 1;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * unpacking: elements [k0, k0 + n) of one row to f32 (n: 256 for K-quants, a multiple of 32 else)
+ * ------------------------------------------------------------------------------------------- */
+
+TGT_AVX512 static inline float h2f(const uint8_t * p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 16 bytes -> 16 floats */
+TGT_AVX512 static inline __m512 u8x16_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+TGT_AVX512 static inline __m512 i8x16_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+
+TGT_AVX512 static void deq_q2_K(const uint8_t * b, float * out) {
+    const uint8_t * sc = b;
+    const uint8_t * qs = b + 16;
+    const float d = h2f(b + 80), dmin = h2f(b + 82);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int n = 0; n < 2; n++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+        for (int s = 0; s < 4; s++) {
+            const __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m3);
+            const int j = 8 * n + 2 * s;
+            const __m512 lo = u8x16_ps(_mm256_castsi256_si128(v));
+            const __m512 hi = u8x16_ps(_mm256_extracti128_si256(v, 1));
+            float * o = out + 128 * n + 32 * s;
+            _mm512_storeu_ps(o, _mm512_fmsub_ps(lo, _mm512_set1_ps(d * (sc[j] & 0xF)), _mm512_set1_ps(dmin * (sc[j] >> 4))));
+            _mm512_storeu_ps(o + 16, _mm512_fmsub_ps(hi, _mm512_set1_ps(d * (sc[j + 1] & 0xF)),
+                                                     _mm512_set1_ps(dmin * (sc[j + 1] >> 4))));
+        }
+    }
+}
+
+static void q3k_scales(const uint8_t * s12, int8_t out[16]) {
+    uint32_t aux[4];
+    memcpy(aux, s12, 12);
+    const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+    const uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+    aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+    aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+    aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+    memcpy(out, aux, 16);
+}
+
+TGT_AVX512 static void deq_q3_K(const uint8_t * b, float * out) {
+    const uint8_t * hm = b;
+    const uint8_t * qs = b + 32;
+    int8_t sc[16];
+    q3k_scales(b + 96, sc);
+    const float d = h2f(b + 108);
+    const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)hm);
+    for (int n = 0; n < 2; n++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+        for (int s = 0; s < 4; s++) {
+            const __mmask32 set = _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1u << (4 * n + s))));
+            __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * s), m3);
+            v = _mm256_mask_sub_epi8(v, (__mmask32)~set, v, four); /* high bit clear: q - 4 */
+            const int j = 8 * n + 2 * s;
+            float * o = out + 128 * n + 32 * s;
+            _mm512_storeu_ps(o, _mm512_mul_ps(i8x16_ps(_mm256_castsi256_si128(v)), _mm512_set1_ps(d * (sc[j] - 32))));
+            _mm512_storeu_ps(o + 16, _mm512_mul_ps(i8x16_ps(_mm256_extracti128_si256(v, 1)),
+                                                   _mm512_set1_ps(d * (sc[j + 1] - 32))));
+        }
+    }
+}
+
+static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * d, uint8_t * m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+    }
+}
+
+/* Q4_K (qh == NULL) and Q5_K */
+TGT_AVX512 static void deq_q45_K(const uint8_t * b, const uint8_t * scales, const uint8_t * qh, const uint8_t * qs,
+                                 float * out) {
+    const float d = h2f(b), dmin = h2f(b + 2);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i h = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        uint8_t s1, m1, s2, m2;
+        scale_min_k4(2 * j, scales, &s1, &m1);
+        scale_min_k4(2 * j + 1, scales, &s2, &m2);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        __m256i lo = _mm256_and_si256(q, m4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (qh) {
+            const __mmask32 b1 = _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1u << (2 * j))));
+            const __mmask32 b2 = _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(2u << (2 * j))));
+            lo = _mm256_mask_add_epi8(lo, b1, lo, _mm256_set1_epi8(16));
+            hi = _mm256_mask_add_epi8(hi, b2, hi, _mm256_set1_epi8(16));
+        }
+        const __m512 D1 = _mm512_set1_ps(d * s1), M1 = _mm512_set1_ps(dmin * m1);
+        const __m512 D2 = _mm512_set1_ps(d * s2), M2 = _mm512_set1_ps(dmin * m2);
+        float * o = out + 64 * j;
+        _mm512_storeu_ps(o, _mm512_fmsub_ps(u8x16_ps(_mm256_castsi256_si128(lo)), D1, M1));
+        _mm512_storeu_ps(o + 16, _mm512_fmsub_ps(u8x16_ps(_mm256_extracti128_si256(lo, 1)), D1, M1));
+        _mm512_storeu_ps(o + 32, _mm512_fmsub_ps(u8x16_ps(_mm256_castsi256_si128(hi)), D2, M2));
+        _mm512_storeu_ps(o + 48, _mm512_fmsub_ps(u8x16_ps(_mm256_extracti128_si256(hi, 1)), D2, M2));
+    }
+}
+
+TGT_AVX512 static void deq_q6_K(const uint8_t * b, float * out) {
+    const float d = h2f(b + 208);
+    const int8_t * sc = (const int8_t *)(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    for (int n = 0; n < 2; n++) {
+        const uint8_t * ql = b + 64 * n;
+        const uint8_t * qh = b + 128 + 32 * n;
+        const int8_t * s = sc + 8 * n;
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+        for (int i = 0; i < 4; i++) {
+            const __m256i v = _mm256_sub_epi8(q[i], k32);
+            float * o = out + 128 * n + 32 * i;
+            _mm512_storeu_ps(o, _mm512_mul_ps(i8x16_ps(_mm256_castsi256_si128(v)), _mm512_set1_ps(d * s[2 * i])));
+            _mm512_storeu_ps(o + 16, _mm512_mul_ps(i8x16_ps(_mm256_extracti128_si256(v, 1)),
+                                                   _mm512_set1_ps(d * s[2 * i + 1])));
+        }
+    }
+}
+
+TGT_AVX512 static void deq_q8_0(const uint8_t * b, float * out) {
+    const __m512 d = _mm512_set1_ps(h2f(b));
+    _mm512_storeu_ps(out, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(b + 2))), d));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(b + 18))), d));
+}
+
+TGT_AVX512 static void deq_q4_0(const uint8_t * b, float * out) {
+    const __m512 d = _mm512_set1_ps(h2f(b));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
+    const __m128i m4 = _mm_set1_epi8(0x0F), k8 = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), k8);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), k8);
+    _mm512_storeu_ps(out, _mm512_mul_ps(i8x16_ps(lo), d));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(i8x16_ps(hi), d));
+}
+
+TGT_AVX512 static void deq_q4_1(const uint8_t * b, float * out) {
+    const __m512 d = _mm512_set1_ps(h2f(b)), m = _mm512_set1_ps(h2f(b + 2));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(u8x16_ps(_mm_and_si128(q, m4)), d, m));
+    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(u8x16_ps(_mm_and_si128(_mm_srli_epi16(q, 4), m4)), d, m));
+}
+
+/* f32 values of elements [k0, k0 + n) of a row of `type` */
+TGT_AVX512 static void deq(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n, float * out) {
+    switch (type) {
+        case GGML_TYPE_Q2_K:
+            for (int64_t k = 0; k < n; k += QK) deq_q2_K(row + (size_t)((k0 + k) / QK) * 84, out + k);
+            return;
+        case GGML_TYPE_Q3_K:
+            for (int64_t k = 0; k < n; k += QK) deq_q3_K(row + (size_t)((k0 + k) / QK) * 110, out + k);
+            return;
+        case GGML_TYPE_Q4_K:
+            for (int64_t k = 0; k < n; k += QK) {
+                const uint8_t * b = row + (size_t)((k0 + k) / QK) * 144;
+                deq_q45_K(b, b + 4, NULL, b + 16, out + k);
+            }
+            return;
+        case GGML_TYPE_Q5_K:
+            for (int64_t k = 0; k < n; k += QK) {
+                const uint8_t * b = row + (size_t)((k0 + k) / QK) * 176;
+                deq_q45_K(b, b + 4, b + 16, b + 48, out + k);
+            }
+            return;
+        case GGML_TYPE_Q6_K:
+            for (int64_t k = 0; k < n; k += QK) deq_q6_K(row + (size_t)((k0 + k) / QK) * 210, out + k);
+            return;
+        case GGML_TYPE_Q8_0:
+            for (int64_t k = 0; k < n; k += 32) deq_q8_0(row + (size_t)((k0 + k) / 32) * 34, out + k);
+            return;
+        case GGML_TYPE_Q4_0:
+            for (int64_t k = 0; k < n; k += 32) deq_q4_0(row + (size_t)((k0 + k) / 32) * 18, out + k);
+            return;
+        case GGML_TYPE_Q4_1:
+            for (int64_t k = 0; k < n; k += 32) deq_q4_1(row + (size_t)((k0 + k) / 32) * 20, out + k);
+            return;
+        default: {
+            const int64_t blck = ggml_blck_size(type);
+            bs_dequant_row(type, row + (size_t)(k0 / blck) * ggml_type_size(type), out, n);
+            return;
+        }
+    }
+}
+
+/* chunk of K unpacked at once: a K-quant superblock when K allows, else 32 (one AMX tile width) */
+static int64_t chunk_of(int64_t K) { return K % QK == 0 ? QK : 32; }
+
+/* A buffer: rows [r0, r0+16) x all of K as bf16, tile-major: abuf[k/32][16][32]; rows past N zero */
+TGT_AVX512 static void unpack_rowblock(const bs_job * job, int64_t r0, uint16_t * abuf, float * tmp) {
+    const int64_t K = job->K, ch = chunk_of(K);
+    float * wr = tmp;
+    float * rr = tmp + QK;
+    const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
+    for (int64_t i = 0; i < BS_ROW_BLOCK; i++) {
+        if (i >= rows) {
+            for (int64_t kc = 0; kc < K / 32; kc++) {
+                memset(abuf + (size_t)kc * 512 + i * 32, 0, 64);
+            }
+            continue;
+        }
+        const uint8_t * wrow = job->w2 ? job->w2 + (size_t)(r0 + i) * job->w2_row_bytes : NULL;
+        const uint8_t * rrow = job->r + (size_t)(r0 + i) * job->r_row_bytes;
+        for (int64_t k0 = 0; k0 < K; k0 += ch) {
+            deq(job->r_type, rrow, k0, ch, rr);
+            if (wrow) {
+                deq(job->w2_type, wrow, k0, ch, wr);
+            }
+            for (int64_t k = 0; k < ch; k += 32) {
+                __m512 a = _mm512_loadu_ps(rr + k), b2 = _mm512_loadu_ps(rr + k + 16);
+                if (wrow) {
+                    a = _mm512_add_ps(_mm512_loadu_ps(wr + k), a);
+                    b2 = _mm512_add_ps(_mm512_loadu_ps(wr + k + 16), b2);
+                }
+                /* cvtne2ps2bf16(hi, lo): lo fills elements 0..15 */
+                const __m512bh v = _mm512_cvtne2ps_pbh(b2, a);
+                _mm512_storeu_si512((void *)(abuf + (size_t)((k0 + k) / 32) * 512 + i * 32), (__m512i)v);
+            }
+        }
+    }
+}
+
+static bool fast_types(const bs_job * job) {
+    if (job->precision != BITSPLIT_PREC_BF16 || job->K % 32 != 0) {
+        return false;
+    }
+    const enum ggml_type r = job->r_type;
+    if (r != GGML_TYPE_Q6_K && r != GGML_TYPE_Q8_0) {
+        return false;
+    }
+    if (job->w2 == NULL) {
+        return true;
+    }
+    const enum ggml_type w = job->w2_type;
+    if (w == GGML_TYPE_F32 || w == GGML_TYPE_F16 || w == GGML_TYPE_BF16) {
+        return false;
+    }
+    /* any other readable type: unpacked through ggml's dequantizer when it has no fast path;
+     * its block must divide the unpack chunk */
+    return bs_type_readable(w) && chunk_of(job->K) % ggml_blck_size(w) == 0 &&
+           chunk_of(job->K) % ggml_blck_size(r) == 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * avx512-bf16 family
+ * ------------------------------------------------------------------------------------------- */
+
+static bool avx512_available(void) { return has_avx512bf16(); }
+
+static size_t avx512_acts_size(const bs_job * job) { return (size_t)job->K * (size_t)job->n_cols * 2 + 64; }
+
+TGT_AVX512 static void avx512_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
+    uint16_t * a = job->acts;
+    for (int64_t c = c0; c < c1; c++) {
+        const float * x = job->x + c * job->ldx;
+        uint16_t * o = a + (size_t)c * job->K;
+        for (int64_t k = 0; k < job->K; k += 32) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k));
+            _mm512_storeu_si512((void *)(o + k), (__m512i)v);
+        }
+    }
+}
+
+TGT_AVX512 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+TGT_AVX512 static void avx512_block_product(const bs_job * job, const uint16_t * abuf, int64_t r0) {
+    const int64_t K = job->K, nkc = K / 32;
+    const uint16_t * acts = job->acts;
+    const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
+    for (int64_t i0 = 0; i0 < rows; i0 += 4) {
+        const int64_t ni = rows - i0 < 4 ? rows - i0 : 4;
+        int64_t c = 0;
+        for (; c + 4 <= job->n_cols; c += 4) {
+            __m512 acc[4][4];
+            for (int a = 0; a < 4; a++)
+                for (int b = 0; b < 4; b++) acc[a][b] = _mm512_setzero_ps();
+            for (int64_t kc = 0; kc < nkc; kc++) {
+                __m512bh w[4], x[4];
+                for (int a = 0; a < 4; a++) w[a] = (__m512bh)_mm512_loadu_si512(abuf + (size_t)kc * 512 + (i0 + a) * 32);
+                for (int b = 0; b < 4; b++) x[b] = (__m512bh)_mm512_loadu_si512(acts + (size_t)(c + b) * K + kc * 32);
+                for (int a = 0; a < 4; a++)
+                    for (int b = 0; b < 4; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], w[a], x[b]);
+            }
+            for (int a = 0; a < ni; a++)
+                for (int b = 0; b < 4; b++) {
+                    float * y = job->y + (c + b) * job->ldy + r0 + i0 + a;
+                    const float v = hsum(acc[a][b]);
+                    *y = job->accumulate ? *y + v : v;
+                }
+        }
+        for (; c < job->n_cols; c++) {
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t kc = 0; kc < nkc; kc++) {
+                const __m512bh x = (__m512bh)_mm512_loadu_si512(acts + (size_t)c * K + kc * 32);
+                for (int a = 0; a < 4; a++) {
+                    acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512(abuf + (size_t)kc * 512 + (i0 + a) * 32), x);
+                }
+            }
+            for (int a = 0; a < ni; a++) {
+                float * y = job->y + c * job->ldy + r0 + i0 + a;
+                const float v = hsum(acc[a]);
+                *y = job->accumulate ? *y + v : v;
+            }
+        }
+    }
+}
+
+static size_t rowblock_scratch(const bs_job * job) {
+    return (size_t)job->K * BS_ROW_BLOCK * 2 + 2 * QK * sizeof(float) + 16 * 16 * sizeof(float) + 1024;
+}
+
+TGT_AVX512 static void avx512_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
+    uint16_t * abuf = bs_scratch_get(scratch, rowblock_scratch(job));
+    if (abuf == NULL) {
+        return;
+    }
+    float * tmp = (float *)(abuf + (size_t)job->K * BS_ROW_BLOCK);
+    for (int64_t r = r0; r < r1; r += BS_ROW_BLOCK) {
+        unpack_rowblock(job, r, abuf, tmp);
+        avx512_block_product(job, abuf, r);
+    }
+}
+
+const bs_kernel_family bs_family_avx512_bf16 = {
+    "avx512-bf16", avx512_available, fast_types, avx512_acts_size, avx512_prepare_acts, avx512_rows,
+};
+
+/* ---------------------------------------------------------------------------------------------
+ * amx-bf16 family
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) tile_cfg;
+
+static bool amx_available(void) { return has_amx(); }
+
+/* activations as B tiles: [group of 16 columns][k/32][16 k-pairs][16 columns][2] */
+static size_t amx_acts_size(const bs_job * job) {
+    const int64_t groups = (job->n_cols + 15) / 16;
+    return (size_t)groups * (size_t)job->K * 16 * 2 + 64;
+}
+
+TGT_AVX512 static void amx_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
+    const int64_t K = job->K, nkc = K / 32;
+    uint16_t * a = job->acts;
+    /* each thread writes its own columns (4-byte pairs: no two threads touch the same bytes);
+     * the thread ending at n_cols also zeroes the padding columns of the last group */
+    const int64_t end = c1 == job->n_cols ? (job->n_cols + 15) / 16 * 16 : c1;
+    for (int64_t c = c0; c < end; c++) {
+        const int64_t g = c / 16, j = c % 16;
+        uint16_t * tile0 = a + (size_t)g * (size_t)nkc * 512;
+        const float * x = c < job->n_cols ? job->x + c * job->ldx : NULL;
+        for (int64_t kc = 0; kc < nkc; kc++) {
+            uint16_t * t = tile0 + (size_t)kc * 512;
+            uint32_t pairs[16];
+            if (x == NULL) {
+                memset(pairs, 0, sizeof(pairs));
+            } else {
+                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + kc * 32 + 16), _mm512_loadu_ps(x + kc * 32));
+                _mm512_storeu_si512((void *)pairs, (__m512i)v);
+            }
+            for (int p = 0; p < 16; p++) {
+                memcpy(t + p * 32 + 2 * j, &pairs[p], 4);
+            }
+        }
+    }
+}
+
+/* GCC 12 drops the stores that fill a tile config passed to _tile_loadconfig (seen in llama.cpp's
+ * AMX code); an asm memory operand keeps them. */
+TGT_AMX static inline void load_cfg(const tile_cfg * c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c) : "memory"); }
+TGT_AMX static inline void store_cfg(tile_cfg * c) { __asm__ volatile("sttilecfg %0" : "=m"(*c)::"memory"); }
+
+TGT_AMX static void amx_block_product(const bs_job * job, const uint16_t * abuf, int64_t r0, float * ctmp) {
+    const int64_t K = job->K, nkc = K / 32;
+    const int64_t groups = (job->n_cols + 15) / 16;
+    const uint16_t * acts = job->acts;
+    const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+        const int64_t ng = groups - g0 < 4 ? groups - g0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kc = 0; kc < nkc; kc++) {
+            _tile_loadd(4, abuf + (size_t)kc * 512, 64);
+            const uint16_t * bt = acts + ((size_t)g0 * (size_t)nkc + (size_t)kc) * 512;
+            const size_t gstride = (size_t)nkc * 512;
+            _tile_loadd(5, bt, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (ng > 1) {
+                _tile_loadd(6, bt + gstride, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (ng > 2) {
+                _tile_loadd(7, bt + 2 * gstride, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (ng > 3) {
+                _tile_loadd(5, bt + 3 * gstride, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        for (int64_t gi = 0; gi < ng; gi++) {
+            switch (gi) {
+                case 0: _tile_stored(0, ctmp, 64); break;
+                case 1: _tile_stored(1, ctmp, 64); break;
+                case 2: _tile_stored(2, ctmp, 64); break;
+                default: _tile_stored(3, ctmp, 64); break;
+            }
+            const int64_t cbase = (g0 + gi) * 16;
+            const int64_t ncol = job->n_cols - cbase < 16 ? job->n_cols - cbase : 16;
+            for (int64_t j = 0; j < ncol; j++) {
+                float * y = job->y + (cbase + j) * job->ldy + r0;
+                if (job->accumulate) {
+                    for (int64_t i = 0; i < rows; i++) y[i] += ctmp[i * 16 + j];
+                } else {
+                    for (int64_t i = 0; i < rows; i++) y[i] = ctmp[i * 16 + j];
+                }
+            }
+        }
+    }
+}
+
+TGT_AMX static void amx_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
+    uint16_t * abuf = bs_scratch_get(scratch, rowblock_scratch(job));
+    if (abuf == NULL) {
+        return;
+    }
+    float * tmp = (float *)(abuf + (size_t)job->K * BS_ROW_BLOCK);
+    float * ctmp = tmp + 2 * QK;
+    tile_cfg saved, cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    store_cfg(&saved); /* whoever else uses tiles on this thread (ggml's AMX code) gets its config back */
+    load_cfg(&cfg);
+    for (int64_t r = r0; r < r1; r += BS_ROW_BLOCK) {
+        unpack_rowblock(job, r, abuf, tmp);
+        amx_block_product(job, abuf, r, ctmp);
+    }
+    if (saved.palette != 0) {
+        load_cfg(&saved);
+    } else {
+        _tile_release();
+    }
+}
+
+const bs_kernel_family bs_family_amx_bf16 = {
+    "amx-bf16", amx_available, fast_types, amx_acts_size, amx_prepare_acts, amx_rows,
+};
+
+#endif /* __x86_64__ */

@@ -215,3 +215,37 @@ def test_crafted_residual_refused_by_native(tiny_split, tmp_path, case):
     with pytest.raises((GGUFFormatError, InputError, UnsupportedModelError)) as ei:
         Residual(base=tiny_split / "base.gguf", residual=bad)
     assert str(bad) in str(ei.value)
+
+
+def test_kernel_families_agree_and_are_batch_invariant(tiny_split):
+    """Every kernel family this CPU runs computes the same products (up to f32 summation order),
+    and none lets a column's result depend on the rest of the batch."""
+    from bitsplit_llama import native
+
+    ffi, lib = native.load()
+    with Residual(tiny_split) as r, GGUFFile(tiny_split / "base.gguf") as b, \
+            GGUFFile(tiny_split / "residual.gguf") as rg:
+        r.set_precision("bf16")
+        fams = []
+        for fam in ("generic", "avx512-bf16", "amx-bf16"):
+            try:
+                r.set_kernel(fam)
+                fams.append(fam)
+            except UnsupportedModelError:
+                pass
+        assert "generic" in fams
+        for name in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight"):
+            bt, rt = b.tensor(name), rg.tensor(name)
+            W = (_ggml.dequantize_rows(b.read_rows(bt, 0, bt.n_rows), bt.ggml_type, bt.n_per_row)
+                 + _ggml.dequantize_rows(rg.read_rows(rt, 0, rt.n_rows), rt.ggml_type, rt.n_per_row))
+            x = np.random.default_rng(5).standard_normal((37, bt.n_per_row)).astype(np.float32)
+            ref = x.astype(np.float64) @ W.astype(np.float64).T
+            outs = {}
+            for fam in fams:
+                r.set_kernel(fam)
+                outs[fam] = r.matmul(name, x)
+                assert np.abs(outs[fam] - ref).max() / np.abs(ref).max() < 1e-2, fam
+                for n in (1, 5, 16, 17):
+                    assert np.array_equal(r.matmul(name, x[:n]), outs[fam][:n]), (fam, n)
+            for fam in fams:
+                assert np.abs(outs[fam] - outs["generic"]).max() / np.abs(ref).max() < 1e-5, fam

@@ -1,0 +1,223 @@
+"""``bitsplit eval``: how faithful is the split verifier to its source, next to other quantizations.
+
+Every model scores the same tokens, in chunks of ``n_ctx`` tokens decoded as one batch (the same
+batch size for all, inside llama.cpp on this machine). At every position we compare the model's
+next-token distribution with the reference's: KL(reference || model) from float32 logits, whether
+the argmaxes agree (top-1), and the model's perplexity on the text itself.
+
+The reference should be the exact source: a quantized reference file (say the Q4_K_M a split was
+made from) is first dequantized to an F32 GGUF (cached), so that llama.cpp computes it without any
+weight or activation rounding of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import InputError, InvalidOptionError, MismatchError
+from .gguf_file import GGUFFile, check_readable_file, fingerprint
+
+FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
+
+
+@dataclass
+class ModelScore:
+    name: str
+    path: str
+    kl_mean: float
+    kl_p99: float
+    kl_max: float
+    kl_mean_after_first: float
+    top1: float
+    ppl: float
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class EvalReport:
+    reference: str
+    reference_used: str
+    text: str
+    n_tokens: int
+    n_ctx: int
+    n_chunks: int
+    models: list[ModelScore] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"reference": self.reference, "reference_used": self.reference_used, "text": self.text,
+                "n_tokens": self.n_tokens, "n_ctx": self.n_ctx, "n_chunks": self.n_chunks,
+                "models": [m.to_json() for m in self.models]}
+
+
+def exact_reference(path: Path, threads: int, log: Callable[[str], None] | None = None) -> Path:
+    """``path`` itself if its weights are float already, else its dequantization to F32 (cached)."""
+    with GGUFFile(path, role="reference") as g:
+        if all(t.ggml_type in FLOAT_TYPES for t in g.tensors):
+            return path
+        fp = fingerprint(g)[:16]
+    from .fetch import cache_dir
+    from .split import quantize_model
+
+    out_dir = cache_dir() / "references"
+    out = out_dir / f"{path.stem}.{fp}.f32.gguf"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if log:
+        log(f"dequantizing the reference {path.name} to F32 (once; cached as {out})")
+    tmp = out_dir / f".{out.name}.{os.getpid()}.tmp"
+    try:
+        quantize_model(path, tmp, "f32", threads)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float32, copy=True)
+    x -= x.max(axis=1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=1, keepdims=True))
+    return x
+
+
+def load_text_tokens(model, text_path: Path) -> list[int]:
+    check_readable_file(text_path, "text")
+    text = text_path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise InputError(f"{text_path}: the text file is empty")
+    return model.tokenize(text, add_special=False)
+
+
+def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str], text: str | os.PathLike[str], *,
+             vs: list[str | os.PathLike[str]] = (), n_ctx: int = 512, max_chunks: int | None = None,
+             threads: int | None = None, precision: str = "auto", log: Callable[[str], None] | None = None,
+             progress=None) -> EvalReport:
+    """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``."""
+    from .modeldir import split_paths
+    from .runtime import Context, Model, default_threads
+    from .verifier import SplitModel
+
+    if n_ctx < 16:
+        raise InvalidOptionError(f"--n-ctx: {n_ctx} is too small for evaluation (at least 16)")
+    if max_chunks is not None and max_chunks < 1:
+        raise InvalidOptionError(f"--chunks: {max_chunks} is not a positive integer")
+    threads = threads or default_threads()
+    base_p, _ = split_paths(model_dir)
+    reference, text = Path(reference), Path(text)
+    vs = [Path(v) for v in vs]
+    for v in vs:
+        check_readable_file(v, "--vs model")
+    ref_used = exact_reference(reference, threads, log)
+
+    base_model = Model(base_p)
+    try:
+        tokens = load_text_tokens(base_model, text)
+        n_vocab = base_model.n_vocab
+        add_bos = bool(__import__("llama_cpp").llama_vocab_get_add_bos(base_model.vocab))
+        bos = base_model.bos
+    finally:
+        base_model.close()
+    n_chunks = len(tokens) // n_ctx
+    if max_chunks:
+        n_chunks = min(n_chunks, max_chunks)
+    if n_chunks < 1:
+        raise InputError(f"{text}: {len(tokens)} tokens, fewer than one chunk of --n-ctx {n_ctx}")
+    chunks = [tokens[i * n_ctx:(i + 1) * n_ctx] for i in range(n_chunks)]
+    if add_bos:  # as llama-perplexity does: each chunk starts like a document
+        for c in chunks:
+            c[0] = bos
+
+    report = EvalReport(reference=str(reference), reference_used=str(ref_used), text=str(text),
+                        n_tokens=n_chunks * n_ctx, n_ctx=n_ctx, n_chunks=n_chunks)
+    positions = list(range(n_ctx))
+
+    with tempfile.TemporaryDirectory(prefix="bitsplit-eval-") as tmp:
+        ref_lp = np.lib.format.open_memmap(Path(tmp) / "ref.npy", mode="w+", dtype=np.float32,
+                                           shape=(n_chunks, n_ctx, n_vocab))
+
+        def run_plain(path: Path, consume) -> float:
+            m = Model(path)
+            try:
+                if m.n_vocab != n_vocab:
+                    raise MismatchError(f"{path}: vocabulary of {m.n_vocab} tokens, the split model has {n_vocab}")
+                c = Context(m, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads)
+                try:
+                    t0 = time.monotonic()
+                    for i, chunk in enumerate(chunks):
+                        c.clear()
+                        c.decode(chunk, positions)
+                        consume(i, c.logits(n_ctx))
+                    return time.monotonic() - t0
+                finally:
+                    c.close()
+            finally:
+                m.close()
+
+        def store_ref(i, logits):
+            ref_lp[i] = _log_softmax(logits)
+            if progress:
+                progress.advance(tensors=1)
+
+        if progress:
+            progress.phase("reference", n_chunks, 0)
+        run_plain(ref_used, store_ref)
+
+        def scorer(name: str, path: str):
+            kls, top1, nll = [], [], []
+
+            def consume(i, logits):
+                lp = _log_softmax(logits)
+                r = ref_lp[i]
+                kls.append((np.exp(r) * (r - lp)).sum(axis=1))
+                top1.append(np.argmax(r, axis=1) == np.argmax(lp, axis=1))
+                nxt = np.asarray(chunks[i][1:])
+                nll.append(-lp[np.arange(n_ctx - 1), nxt])
+                if progress:
+                    progress.advance(tensors=1)
+
+            def finish(seconds: float) -> ModelScore:
+                kl = np.concatenate(kls)
+                kl_pos = np.stack(kls)  # chunks x positions
+                return ModelScore(name=name, path=path, kl_mean=float(kl.mean()), kl_p99=float(np.percentile(kl, 99)),
+                                  kl_max=float(kl.max()), kl_mean_after_first=float(kl_pos[:, 1:].mean()),
+                                  top1=float(np.concatenate(top1).mean()), ppl=float(np.exp(np.concatenate(nll).mean())),
+                                  seconds=seconds)
+
+            return consume, finish
+
+        # the split verifier first
+        if progress:
+            progress.phase("split verifier", n_chunks, 0)
+        consume, finish = scorer("bitsplit verifier", str(model_dir))
+        sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, precision=precision)
+        try:
+            if sm.model.n_vocab != n_vocab:
+                raise MismatchError(f"{model_dir}: vocabulary differs from the reference")
+            t0 = time.monotonic()
+            for i, chunk in enumerate(chunks):
+                sm.ctx.clear()
+                with sm.verifying() as ctx:
+                    ctx.decode(chunk, positions)
+                    consume(i, ctx.logits(n_ctx))
+            report.models.append(finish(time.monotonic() - t0))
+        finally:
+            sm.close()
+
+        for v in vs:
+            if progress:
+                progress.phase(v.name, n_chunks, 0)
+            consume, finish = scorer(v.name, str(v))
+            report.models.append(finish(run_plain(v, consume)))
+        del ref_lp
+    return report
