@@ -125,6 +125,76 @@ def info(
         raise typer.Exit(1)
 
 
+def _sampling(temp: float, top_k: int, top_p: float, min_p: float, seed: Optional[int]):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+
+
+def _tree_nodes(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise InvalidOptionError(f"--tree-nodes: '{value}' is not a non-negative integer") from None
+    if n < 0:
+        raise InvalidOptionError(f"--tree-nodes: {n} is negative")
+    return n
+
+
+@app.command()
+@handles_errors
+def run(
+    model_dir: Path = typer.Argument(..., help="A split model directory (from 'bitsplit split')."),
+    prompt: str = typer.Option(..., "-p", "--prompt", help="The prompt text."),
+    n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate at most."),
+    temp: float = typer.Option(0.0, "--temp", help="Temperature (0 = greedy)."),
+    top_k: int = typer.Option(40, "--top-k"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    min_p: float = typer.Option(0.05, "--min-p"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    tree_nodes: str = typer.Option("16", "--tree-nodes", help="Draft tree size; 0 = verifier alone."),
+    n_ctx: int = typer.Option(4096, "--n-ctx", help="Context size in tokens."),
+    n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl", help="Base layers to offload to the GPU."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+    no_spec: bool = typer.Option(False, "--no-spec", help="Decode with the verifier alone, one token per step."),
+    precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
+    verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's log."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, statistics)."),
+) -> None:
+    """Generate from a split model: the base drafts a tree, base + residual verifies it."""
+    from .generate import Generator
+
+    sp = _sampling(temp, top_k, top_p, min_p, seed)
+    nodes = 0 if no_spec else _tree_nodes(tree_nodes)
+    if n_predict < 0:
+        raise InvalidOptionError(f"-n: {n_predict} is negative")
+    if threads is not None and threads < 1:
+        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
+    if n_gpu_layers < 0:
+        raise InvalidOptionError(f"--n-gpu-layers: {n_gpu_layers} is negative")
+    results = []
+    with Generator(model_dir, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, tree_nodes=nodes,
+                   precision=precision, verbose=verbose) as gen:
+        for piece, _ in gen.stream(prompt, max_tokens=n_predict, sampling=sp, speculative=nodes > 0,
+                                   on_finish=results.append):
+            if not as_json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    res = results[0]
+    st = res.stats
+    if as_json:
+        obj = res.to_json()
+        obj.update({"tree_nodes": nodes, "prompt": prompt})
+        _print_json(obj)
+        return
+    print()
+    gen_s = st.total_seconds - st.prompt_seconds
+    print(f"{len(res.tokens)} tokens in {gen_s:.2f} s: {st.tokens_per_second:.2f} tokens/s, "
+          f"{st.tokens_per_verify:.2f} tokens/verify ({st.n_verify} verifier passes, tree {nodes}); "
+          f"draft {st.draft_seconds:.2f} s, verify {st.verify_seconds:.2f} s (residual {st.residual_seconds:.2f} s); "
+          f"prompt {st.n_prompt} tokens in {st.prompt_seconds:.2f} s", file=sys.stderr)
+
+
 @app.command("eval")
 @handles_errors
 def eval_(

@@ -150,7 +150,8 @@ class Context:
         self.ptr = ll.llama_init_from_model(model.ptr, p)
         if not self.ptr:
             raise NativeError(f"{model.path}: llama.cpp could not create a context (n_ctx={n_ctx})")
-        self.n_ctx = int(ll.llama_n_ctx(self.ptr))
+        # llama.cpp may round the cache up (to 256 cells); the limit users asked for is what counts
+        self.n_ctx = min(int(n_ctx), int(ll.llama_n_ctx(self.ptr)))
         self.n_batch = int(ll.llama_n_batch(self.ptr))
         self.n_threads = threads
         self.mem = ll.llama_get_memory(self.ptr)

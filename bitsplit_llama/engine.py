@@ -1,0 +1,378 @@
+"""The draft/verify loop: the base drafts a tree, base + residual verifies it in one batch.
+
+Vocabulary follows llama.cpp's speculative code: ``n_past`` tokens are in the KV cache (all of them
+written by the verifier), ``id_last`` is the last emitted token (not yet in the cache; the root of
+the next tree). One cycle:
+
+1. draft: with the residual off, the drafter decodes ``id_last`` and then, round by round, the best
+   candidates of a best-first tree (:class:`~bitsplit_llama.tree.TreeBuilder`), each node in its own
+   lane (sequence id) so that attention follows the tree. With the shared KV (default) the drafter
+   reads the verifier's cache for the prefix; nothing is copied.
+2. roll back: every drafted KV entry is removed (``seq_rm`` from ``n_past``), so the verifier never
+   attends to the drafter's KV for positions it computes itself.
+3. verify: the best ``tree_nodes`` nodes plus the root go through the verifier in one decode.
+4. accept (:func:`~bitsplit_llama.tree.accept`): walk the tree with the verifier's draws; the
+   accepted path's KV (written by the verifier) is kept in sequence 0, the rest removed.
+
+Contract: each cycle emits at least one token, every one a draw from the verifier's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import ContextLimitError, InvalidOptionError
+from .runtime import Context
+from .sampling import SamplingParams, draft_candidates, draw
+from .tree import ROOT, DraftTree, TreeBuilder, accept
+
+CANDIDATES_PER_NODE = 4
+
+
+@dataclass
+class TreeShape:
+    """How the draft tree grows: ``nodes`` verified per cycle, ``width`` nodes added per drafter
+    round, at most ``rounds`` drafter rounds (the depth) after decoding the root."""
+
+    nodes: int = 16
+    width: int = 4
+    rounds: int = 6
+
+    @classmethod
+    def for_nodes(cls, nodes: int) -> "TreeShape":
+        """A sensible shape for a node budget: a chain up to 4 nodes, then wider and deeper."""
+        if nodes < 0:
+            raise InvalidOptionError(f"--tree-nodes: {nodes} is negative")
+        if nodes <= 4:
+            return cls(nodes, 1, max(nodes, 1))
+        if nodes <= 8:
+            return cls(nodes, 2, min(8, nodes))
+        width = 4
+        return cls(nodes, width, min(10, max(4, (nodes * 3) // (2 * width) + 1)))
+
+    def validate(self) -> None:
+        if self.nodes < 0 or self.width < 1 or self.rounds < 1:
+            raise InvalidOptionError(f"tree shape {self} is invalid (nodes >= 0, width >= 1, rounds >= 1)")
+
+
+@dataclass
+class Stats:
+    n_prompt: int = 0
+    n_emitted: int = 0
+    n_verify: int = 0            # verifier passes after the prompt (spec cycles or plain steps)
+    n_draft_passes: int = 0
+    n_drafted: int = 0           # tree nodes verified
+    n_accepted: int = 0          # drafted nodes accepted
+    prompt_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    residual_seconds: float = 0.0
+    accept_hist: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return self.n_emitted / self.n_verify if self.n_verify else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        gen = self.total_seconds - self.prompt_seconds
+        return self.n_emitted / gen if gen > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "n_prompt": self.n_prompt, "n_tokens": self.n_emitted, "n_verify": self.n_verify,
+            "accepted_per_verify": round(self.tokens_per_verify, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3), "n_draft_passes": self.n_draft_passes,
+            "n_drafted": self.n_drafted, "n_accepted": self.n_accepted,
+            "prompt_seconds": round(self.prompt_seconds, 4), "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4), "residual_seconds": round(self.residual_seconds, 4),
+            "total_seconds": round(self.total_seconds, 4),
+        }
+
+
+class Engine:
+    """Speculative decoding over a :class:`~bitsplit_llama.verifier.SplitModel`.
+
+    ``draft_ctx``: None (default) drafts in the verifier's own context and KV cache; a separate
+    :class:`Context` over the same base gives the stock-llama.cpp-style baseline whose drafter keeps
+    its own KV (for measurements).
+    """
+
+    def __init__(self, sm, shape: TreeShape | None = None, draft_ctx: Context | None = None):
+        self.sm = sm
+        self.ctx: Context = sm.ctx
+        self.shape = shape or TreeShape.for_nodes(16)
+        self.shape.validate()
+        self.draft_ctx = draft_ctx
+        need = max_lanes(self.shape) + 3  # lanes, sequence 0, the junk and the dummy sequences
+        for c in (self.ctx, draft_ctx):
+            if c is not None and self.shape.nodes > 0 and _n_seq_max(c) < need:
+                raise InvalidOptionError(
+                    f"the context was made with n_seq_max={_n_seq_max(c)}; a tree of {self.shape.nodes} nodes needs {need}")
+        self.n_past = 0
+        self.tokens: list[int] = []     # tokens in the verifier's KV, positions 0..n_past-1
+        self._d_tokens: list[int] = []  # separate drafter: tokens in its KV
+        self._junk_lane = _n_seq_max(self.ctx) - 1
+        self._dummy_lane = _n_seq_max(self.ctx) - 2
+        self.reset()  # the engine owns the KV state from here on
+        self._n_junk = 0                # rejected rows parked in the junk sequence
+
+    def _flush_junk(self) -> None:
+        if self._n_junk:
+            self.ctx.seq_rm(self._junk_lane, -1, -1)
+            self._n_junk = 0
+
+    # -- KV state ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.ctx.clear()
+        self._n_junk = 0
+        self.n_past = 0
+        self.tokens = []
+        if self.draft_ctx is not None:
+            self.draft_ctx.clear()
+            self._d_tokens = []
+
+    def _truncate(self, n: int) -> None:
+        """Forget KV from position n on (the caller's tokens beyond n are no longer cached)."""
+        if n < self.n_past:
+            self.ctx.seq_rm(0, n, -1)
+            self.n_past = n
+            del self.tokens[n:]
+        if self.draft_ctx is not None and n < len(self._d_tokens):
+            self.draft_ctx.seq_rm(0, n, -1)
+            del self._d_tokens[n:]
+
+    # -- prompt -----------------------------------------------------------------------------------
+    def prefill(self, prompt: Sequence[int], stats: Stats) -> np.ndarray:
+        """Put ``prompt`` into the verifier's KV (reusing a cached common prefix); returns the
+        verifier's logits after its last token."""
+        if not prompt:
+            raise InvalidOptionError("the prompt is empty (no tokens)")
+        n_ctx = self.ctx.n_ctx
+        if len(prompt) >= n_ctx:
+            raise ContextLimitError(f"the prompt has {len(prompt)} tokens but the context holds {n_ctx} "
+                                    f"(--n-ctx {n_ctx}); shorten the prompt or raise --n-ctx")
+        t0 = time.perf_counter()
+        common = 0
+        for a, b in zip(self.tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1)  # the last prompt token is always decoded: its logits are needed
+        self._truncate(common)
+        todo = list(prompt[common:])
+        nb = self.ctx.n_batch
+        logits = None
+        with self.sm.verifying() as ctx:
+            for i in range(0, len(todo), nb):
+                part = todo[i:i + nb]
+                last = i + nb >= len(todo)
+                ctx.decode(part, range(self.n_past, self.n_past + len(part)),
+                           logits=[False] * (len(part) - 1) + [last])
+                self.n_past += len(part)
+                self.tokens.extend(part)
+            logits = ctx.logits_ith(len(part) - 1).copy()
+        stats.n_prompt = len(prompt)
+        stats.prompt_seconds += time.perf_counter() - t0
+        return logits
+
+    # -- drafting ---------------------------------------------------------------------------------
+    def _draft(self, id_last: int, sp: SamplingParams, nodes: int, stats: Stats) -> DraftTree:
+        """A draft tree under ``id_last`` with up to ``nodes`` nodes; the draft KV is rolled back."""
+        shape = self.shape
+        sep = self.draft_ctx is not None
+        ctx = self.draft_ctx if sep else self.ctx
+        builder = TreeBuilder(id_last, shape.width, max(nodes, 0) + shape.width * 2)
+        t0 = time.perf_counter()
+        lane_of: dict[int, int] = {ROOT: 0}
+        first_child_taken: set[int] = set()
+        next_lane = 1
+        with (_null() if sep else self.sm.drafting()):
+            # the root (plus, for a separate drafter, the accepted tokens it has not seen yet)
+            if sep:
+                pend = self.tokens[len(self._d_tokens):] + [id_last]
+                start = len(self._d_tokens)
+                ctx.decode(pend, range(start, start + len(pend)), logits=[False] * (len(pend) - 1) + [True])
+                self._d_tokens.extend(pend[:-1])
+                row_of = {ROOT: len(pend) - 1}
+            else:
+                ctx.decode([id_last], [self.n_past])
+                row_of = {ROOT: 0}
+            stats.n_draft_passes += 1
+            frontier = [ROOT]
+            for rnd in range(shape.rounds):
+                for node in frontier:
+                    ids, lps = draft_candidates(ctx.logits_ith(row_of[node]), sp, CANDIDATES_PER_NODE)
+                    builder.offer(node, ids, lps)
+                added = builder.next_round()
+                if not added or rnd == shape.rounds - 1 or len(builder.tree) >= nodes + shape.width:
+                    break
+                # lanes: a first child continues its parent's lane, others get a copy of it
+                for i in added:
+                    p = builder.tree.nodes[i].parent
+                    if p not in first_child_taken:
+                        first_child_taken.add(p)
+                        lane_of[i] = lane_of[p]
+                    else:
+                        lane_of[i] = next_lane
+                        ctx.seq_cp(lane_of[p], next_lane, -1, self.n_past + builder.tree.nodes[i].depth)
+                        next_lane += 1
+                toks = [builder.tree.nodes[i].token for i in added]
+                pos = [self.n_past + builder.tree.nodes[i].depth for i in added]
+                ctx.decode(toks, pos, seq_ids=[[lane_of[i]] for i in added])
+                stats.n_draft_passes += 1
+                row_of = {i: r for r, i in enumerate(added)}
+                frontier = added
+            # roll back every drafted entry: the verifier writes its own
+            ctx.seq_rm(0, self.n_past, -1)
+            for lane in range(1, next_lane):
+                ctx.seq_rm(lane, -1, -1)
+        stats.draft_seconds += time.perf_counter() - t0
+        return builder.tree.best(nodes).dfs()
+
+    # -- one cycle --------------------------------------------------------------------------------
+    def _verify(self, tree: DraftTree, sp: SamplingParams, rng, stats: Stats) -> list[int]:
+        t0 = time.perf_counter()
+        tokens, depths, seen = tree.layout()
+        rows = len(tokens)
+        for r in range(rows):  # row r is sequence 1 + r; every row sees the prefix
+            self.ctx.seq_cp(0, 1 + r, -1, -1)
+        c0 = self.sm.residual.counters().seconds_inside
+        with self.sm.verifying() as ctx:
+            ctx.decode(tokens, [self.n_past + d for d in depths], seq_ids=[[1 + q for q in s] for s in seen])
+            accepted, bonus, emitted = accept(tree, lambda row: draw(ctx.logits_ith(row), sp, rng))
+        stats.residual_seconds += self.sm.residual.counters().seconds_inside - c0
+        # Keep the root and the accepted path (verifier-written) in sequence 0. A rejected row after
+        # the last kept one is freed; one before it is parked in the junk sequence instead: a freed
+        # cell would be refilled by a later position, and llama.cpp's attention visits cells in
+        # index order, so its float sums would no longer be plain decoding's. With the cache kept
+        # in position order, speculative output equals the verifier's own, token for token. Nodes
+        # come in depth-first order, so an accepted main chain leaves nothing to park. The junk is
+        # freed when space runs short and at the end of each generation.
+        kept = [0] + [1 + i for i in accepted]
+        last = kept[-1]
+        junk = self._junk_lane
+        keep_set = set(kept)
+        for r in range(1, rows):
+            if r in keep_set:
+                continue
+            if r < last:
+                pos = self.n_past + depths[r]
+                self.ctx.seq_cp(1 + r, junk, pos, pos + 1)
+                self._n_junk += 1
+            self.ctx.seq_rm(1 + r, -1, -1)
+        self.ctx.seq_cp(1 + last, 0, self.n_past, -1)
+        for r in kept:
+            self.ctx.seq_rm(1 + r, -1, -1)
+        self.tokens.extend(tokens[0:1] + [tree.nodes[i].token for i in accepted])
+        self.n_past += len(kept)
+        stats.n_verify += 1
+        stats.n_drafted += len(tree)
+        stats.n_accepted += len(accepted)
+        stats.accept_hist.append(len(accepted))
+        stats.verify_seconds += time.perf_counter() - t0
+        return emitted
+
+    def _plain_step(self, id_last: int, sp: SamplingParams, rng, stats: Stats) -> list[int]:
+        """One verifier step. A second, throw-away row keeps llama.cpp's attention on the path it
+        takes for batches (one token alone may take a split-KV path with other float sums), so plain
+        steps and tree steps compute exactly the same thing."""
+        t0 = time.perf_counter()
+        c0 = self.sm.residual.counters().seconds_inside
+        dummy = self._dummy_lane
+        with self.sm.verifying() as ctx:
+            ctx.decode([id_last, id_last], [self.n_past, self.n_past], seq_ids=[[0], [dummy]], logits=[True, False])
+            t = draw(ctx.logits_ith(0), sp, rng)
+        self.ctx.seq_rm(dummy, -1, -1)
+        stats.residual_seconds += self.sm.residual.counters().seconds_inside - c0
+        self.tokens.append(id_last)
+        self.n_past += 1
+        stats.n_verify += 1
+        stats.accept_hist.append(0)
+        stats.verify_seconds += time.perf_counter() - t0
+        return [t]
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, sp: SamplingParams, *, speculative: bool = True,
+                 is_stop: Callable[[int], bool] | None = None, stats: Stats | None = None) -> Iterator[list[int]]:
+        """Yield newly emitted tokens, a cycle at a time, until ``max_tokens`` were emitted, a token
+        for which ``is_stop`` is true was emitted (it is yielded, nothing after it), or the context is
+        full. Emitted tokens beyond these limits are discarded and their KV rolled back."""
+        if max_tokens < 0:
+            raise InvalidOptionError(f"-n: {max_tokens} is negative")
+        stats = stats if stats is not None else Stats()
+        t0 = time.perf_counter()
+        rng = np.random.default_rng(sp.seed) if not sp.greedy else None
+        logits = self.prefill(prompt, stats)
+        try:
+            if max_tokens == 0:
+                return
+            id_last = draw(logits, sp, rng)
+            out = [id_last]
+            stats.n_emitted += 1
+            stats.n_verify += 1  # the prompt's verifier pass produced this token
+            yield out
+            if is_stop is not None and is_stop(id_last):
+                return
+            n_ctx = self.ctx.n_ctx
+            spec = speculative and self.shape.nodes > 0
+            cycle_cells = max(self.shape.nodes + 1, self.shape.width * self.shape.rounds + 1) if spec else 1
+            while stats.n_emitted < max_tokens:
+                room = n_ctx - self.n_past - 1  # cells left after the root
+                if room < 0:
+                    return  # the context is full: stop cleanly
+                if self.n_past + self._n_junk + cycle_cells > n_ctx:
+                    self._flush_junk()
+                nodes = min(self.shape.nodes, room, max_tokens - stats.n_emitted - 1) if spec else 0
+                if nodes > 0:
+                    tree = self._draft(id_last, sp, nodes, stats)
+                    emitted = self._verify(tree, sp, rng, stats)
+                else:
+                    emitted = self._plain_step(id_last, sp, rng, stats)
+                # limits: max_tokens and stop tokens cut the emitted list. The cycle left the root
+                # and emitted[:-1] in the KV; after a cut only the root and emitted[:keep-1] stay.
+                keep = min(len(emitted), max_tokens - stats.n_emitted)
+                if is_stop is not None:
+                    for j, t in enumerate(emitted[:keep]):
+                        if is_stop(t):
+                            keep = j + 1
+                            break
+                self._truncate(self.n_past - (len(emitted) - keep))
+                emitted = emitted[:keep]
+                stats.n_emitted += len(emitted)
+                yield emitted
+                if is_stop is not None and is_stop(emitted[-1]):
+                    return
+                id_last = emitted[-1]
+        finally:
+            self._flush_junk()
+            stats.total_seconds += time.perf_counter() - t0
+
+
+def _n_seq_max(ctx: Context) -> int:
+    import llama_cpp
+
+    return int(llama_cpp.llama_n_seq_max(ctx.ptr))
+
+
+def max_lanes(shape: TreeShape) -> int:
+    """Sequence ids a tree of this shape may use besides sequence 0 (drafting lanes, one per
+    verification row)."""
+    return max(shape.nodes + 1, shape.width * shape.rounds + 1)
+
+
+def n_seq_max_for(shape: TreeShape) -> int:
+    """n_seq_max a context needs for this shape: sequence 0, the lanes, the junk and dummy sequences."""
+    return max_lanes(shape) + 3
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False

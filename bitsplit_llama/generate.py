@@ -1,0 +1,139 @@
+"""Text in, text out: a split model with its speculative engine, tokenization, stops and streaming.
+
+:class:`Generator` is what ``bitsplit run`` and :class:`~bitsplit_llama.llama.BitsplitLlama` use.
+Calls on one Generator are serialised (one KV cache); a second concurrent call gets
+:class:`~bitsplit_llama.errors.BusyError` instead of corrupting the first.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from .engine import Engine, Stats, TreeShape, n_seq_max_for
+from .errors import BusyError, InvalidOptionError
+from .sampling import SamplingParams
+from .verifier import SplitModel
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOG token or stop string), "length" (-n or context full)
+    stats: Stats = field(default_factory=Stats)
+
+    def to_json(self) -> dict:
+        d = {"text": self.text, "tokens": self.tokens, "n_tokens": len(self.tokens),
+             "finish_reason": self.finish_reason}
+        d.update(self.stats.to_json())
+        d["n_tokens"] = len(self.tokens)
+        return d
+
+
+class Generator:
+    """A split model ready to generate. ``tree_nodes=0`` decodes with the verifier alone."""
+
+    def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
+                 n_gpu_layers: int = 0, tree_nodes: int = 16, shape: TreeShape | None = None,
+                 precision: str = "auto", verbose: bool = False, n_batch: int = 512):
+        self.shape = shape or TreeShape.for_nodes(tree_nodes)
+        self.shape.validate()
+        self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, self.shape.nodes + 1),
+                             n_seq_max=n_seq_max_for(self.shape), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                             precision=precision, verbose=verbose)
+        self.engine = Engine(self.sm, self.shape)
+        self.model = self.sm.model
+        self._lock = threading.Lock()
+        self.last_stats: Stats | None = None
+
+    def close(self) -> None:
+        self.sm.close()
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def n_ctx(self) -> int:
+        return self.sm.ctx.n_ctx
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
+               stop: Sequence[str] = (), speculative: bool = True, add_special: bool = True,
+               parse_special: bool = True, stats: Stats | None = None,
+               on_finish: Callable[[Result], None] | None = None) -> Iterator[tuple[str, list[int]]]:
+        """Yield (text piece, tokens) as the verifier accepts them. Stop strings end the text before
+        them; the final Result goes to ``on_finish``."""
+        sp = sampling or SamplingParams()
+        if isinstance(stop, str):
+            stop = [stop]
+        stop = [s for s in stop if s]
+        if not self._lock.acquire(blocking=False):
+            raise BusyError("this model is busy with another generation; calls are not interleaved")
+        try:
+            toks = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_special, parse_special)
+            if not toks:
+                raise InvalidOptionError("the prompt is empty (no tokens)")
+            stats = stats if stats is not None else Stats()
+            dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            text = ""
+            emitted_text = 0  # chars of `text` already yielded
+            out_tokens: list[int] = []
+            finish = "length"
+            hold = max((len(s) for s in stop), default=0)
+            model = self.model
+            for chunk in self.engine.generate(toks, max_tokens, sp, speculative=speculative, is_stop=model.is_eog,
+                                              stats=stats):
+                piece_tokens = []
+                for t in chunk:
+                    if model.is_eog(t):
+                        finish = "stop"
+                        break
+                    piece_tokens.append(t)
+                    text += dec.decode(model.token_to_piece(t))
+                out_tokens.extend(piece_tokens)
+                if stop:
+                    cut = min((i for i in (text.find(s, max(0, emitted_text - hold)) for s in stop) if i >= 0),
+                              default=-1)
+                    if cut >= 0:
+                        text = text[:cut]
+                        finish = "stop"
+                        if len(text) > emitted_text:
+                            yield text[emitted_text:], piece_tokens
+                        emitted_text = len(text)
+                        break
+                    # hold back a tail that could be the start of a stop string
+                    safe = max(emitted_text, len(text) - hold)
+                else:
+                    safe = len(text)
+                if safe > emitted_text or piece_tokens:
+                    yield text[emitted_text:safe], piece_tokens
+                    emitted_text = safe
+                if finish == "stop":
+                    break
+            if finish != "stop":
+                text += dec.decode(b"", final=True)
+                if len(text) > emitted_text:
+                    yield text[emitted_text:], []
+            self.last_stats = stats
+            if on_finish is not None:
+                on_finish(Result(text=text, tokens=out_tokens, prompt_tokens=len(toks), finish_reason=finish,
+                                 stats=stats))
+        finally:
+            self._lock.release()
+
+    def generate(self, prompt: str | Sequence[int], **kw) -> Result:
+        box: list[Result] = []
+        for _ in self.stream(prompt, on_finish=box.append, **kw):
+            pass
+        return box[0]

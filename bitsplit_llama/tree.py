@@ -1,0 +1,203 @@
+"""Draft trees and the acceptance rule: pure Python/numpy, testable without a model.
+
+A draft tree hangs under a *root*: the last emitted token, not yet in the KV cache. Each node is a
+drafted token with its parent, depth (root = 0) and cumulative draft log-probability. The engine
+grows it best-first with the drafter (:class:`TreeBuilder`), prunes it to the verification budget
+(:meth:`DraftTree.best`), lays it out for one batched verifier pass (:meth:`DraftTree.layout`), and
+walks it with the verifier's distributions (:func:`accept`).
+
+Acceptance, for any tree and any sampling settings: at the current node draw the verifier's token
+``t`` from its processed distribution (the argmax when greedy); if a child carries ``t`` descend to
+it, otherwise emit ``t`` and stop. Every emitted token is therefore a draw from the verifier's own
+distribution given the path before it: the output has exactly the verifier's distribution, and one
+random number is used per emitted token, as plain decoding uses it. (Deterministic drafts make
+this the optimal lossless rule: it accepts a child with the verifier's probability of that child.)
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+ROOT = -1
+
+
+@dataclass
+class Node:
+    token: int
+    parent: int          # index of the parent node, ROOT for children of the root
+    depth: int           # 1 for children of the root
+    logp: float          # cumulative draft log-probability from the root
+    children: list[int] = field(default_factory=list)
+
+
+class DraftTree:
+    """Nodes in insertion order; a parent is always inserted before its children."""
+
+    def __init__(self, root_token: int):
+        self.root_token = root_token
+        self.nodes: list[Node] = []
+        self.root_children: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def add(self, token: int, parent: int, logp: float) -> int:
+        if parent != ROOT and not 0 <= parent < len(self.nodes):
+            raise IndexError(f"parent {parent} not in the tree")
+        depth = 1 if parent == ROOT else self.nodes[parent].depth + 1
+        siblings = self.root_children if parent == ROOT else self.nodes[parent].children
+        if any(self.nodes[s].token == token for s in siblings):
+            raise ValueError(f"token {token} is already a child of node {parent}")
+        self.nodes.append(Node(token, parent, depth, logp))
+        i = len(self.nodes) - 1
+        siblings.append(i)
+        return i
+
+    def children(self, i: int) -> list[int]:
+        return self.root_children if i == ROOT else self.nodes[i].children
+
+    def path(self, i: int) -> list[int]:
+        """Node indices from the root's child down to i."""
+        out = []
+        while i != ROOT:
+            out.append(i)
+            i = self.nodes[i].parent
+        return out[::-1]
+
+    def depth(self) -> int:
+        return max((n.depth for n in self.nodes), default=0)
+
+    def best(self, k: int) -> "DraftTree":
+        """The sub-tree of the k nodes with the highest cumulative log-probability.
+
+        Cumulative log-probabilities never increase from parent to child, so taking nodes in that
+        order (ties: shallower, then earlier first) keeps every chosen node's ancestors chosen.
+        """
+        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].logp, self.nodes[i].depth, i))
+        keep = sorted(order[:max(0, k)])
+        remap = {ROOT: ROOT}
+        out = DraftTree(self.root_token)
+        for i in keep:  # insertion order: parents first
+            n = self.nodes[i]
+            if n.parent not in remap:
+                continue  # cannot happen with non-increasing logp; defensive for hand-made trees
+            remap[i] = out.add(n.token, remap[n.parent], n.logp)
+        return out
+
+    def leaves(self) -> list[int]:
+        return [i for i, n in enumerate(self.nodes) if not n.children]
+
+    def dfs(self) -> "DraftTree":
+        """The same tree with nodes in depth-first order, most probable child first: the chain the
+        drafter believes in most comes first, so an accepted main chain is a prefix of the batch."""
+        out = DraftTree(self.root_token)
+
+        def visit(i: int, parent: int) -> None:
+            n = self.nodes[i]
+            j = out.add(n.token, parent, n.logp)
+            for c in sorted(n.children, key=lambda c: (-self.nodes[c].logp, c)):
+                visit(c, j)
+
+        for c in sorted(self.root_children, key=lambda c: (-self.nodes[c].logp, c)):
+            visit(c, ROOT)
+        return out
+
+    def layout(self) -> tuple[list[int], list[int], list[list[int]]]:
+        """One verifier batch for the root and every node: (tokens, depths, rows_seen_by).
+
+        Row 0 is the root (depth 0), row 1 + i is node i. ``rows_seen_by[r]`` lists the rows whose
+        queries may attend to row r: r itself and every row below it. The engine turns each row
+        into its own sequence id, so attention inside the batch follows the tree and each row's
+        KV entry can be kept, parked or freed on its own after acceptance.
+        """
+        n = len(self.nodes)
+        seen: list[set[int]] = [{r} for r in range(n + 1)]
+        for i in range(n - 1, -1, -1):  # children come after parents: fold subtrees upwards
+            p = self.nodes[i].parent
+            seen[0 if p == ROOT else 1 + p] |= seen[1 + i]
+        tokens = [self.root_token] + [nd.token for nd in self.nodes]
+        depths = [0] + [nd.depth for nd in self.nodes]
+        return tokens, depths, [sorted(x) for x in seen]
+
+    def validate(self) -> None:
+        for i, n in enumerate(self.nodes):
+            if n.parent != ROOT:
+                p = self.nodes[n.parent]
+                assert n.parent < i and n.depth == p.depth + 1 and i in p.children
+            else:
+                assert n.depth == 1 and i in self.root_children
+
+
+def accept(tree: DraftTree, draw: Callable[[int], int]) -> tuple[list[int], int, list[int]]:
+    """Walk ``tree`` with the verifier: ``draw(row)`` returns the verifier's token at batch row
+    ``row`` (0 = root, 1 + i = node i), drawn from its processed distribution.
+
+    Returns (accepted node indices, bonus token, emitted tokens); emitted = the accepted nodes'
+    tokens followed by the bonus token, so at least one token is emitted and at most depth + 1.
+    """
+    accepted: list[int] = []
+    cur = ROOT
+    while True:
+        t = draw(0 if cur == ROOT else 1 + cur)
+        nxt = next((c for c in tree.children(cur) if tree.nodes[c].token == t), None)
+        if nxt is None:
+            return accepted, t, [tree.nodes[i].token for i in accepted] + [t]
+        accepted.append(nxt)
+        cur = nxt
+
+
+@dataclass
+class _Cand:
+    neg_logp: float
+    seq: int
+    token: int
+    parent: int
+
+    def __lt__(self, other: "_Cand") -> bool:
+        return (self.neg_logp, self.seq) < (other.neg_logp, other.seq)
+
+
+class TreeBuilder:
+    """Grows a draft tree best-first, one drafter batch per round.
+
+    ``offer(node, tokens, logps)`` registers a decoded node's best children (log-probabilities of
+    the drafter's processed distribution); ``next_round()`` moves the ``width`` best candidates of
+    the whole pool into the tree and returns them (they are the next drafter batch).
+    """
+
+    def __init__(self, root_token: int, width: int, max_nodes: int):
+        if width < 1 or max_nodes < 0:
+            raise ValueError("width must be >= 1 and max_nodes >= 0")
+        self.tree = DraftTree(root_token)
+        self.width = width
+        self.max_nodes = max_nodes
+        self._pool: list[_Cand] = []
+        self._seq = 0
+
+    def offer(self, node: int, tokens: Sequence[int], logps: Sequence[float]) -> None:
+        base = 0.0 if node == ROOT else self.tree.nodes[node].logp
+        for t, lp in zip(tokens, logps):
+            self._seq += 1
+            heapq.heappush(self._pool, _Cand(-(base + float(lp)), self._seq, int(t), node))
+
+    def next_round(self) -> list[int]:
+        added: list[int] = []
+        while self._pool and len(added) < self.width and len(self.tree) < self.max_nodes:
+            c = heapq.heappop(self._pool)
+            added.append(self.tree.add(c.token, c.parent, -c.neg_logp))
+        return added
+
+    def best_pending_logp(self) -> float:
+        return -self._pool[0].neg_logp if self._pool else -np.inf
+
+
+def top_candidates(logprobs: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The m most probable tokens of a log-probability vector, most probable first."""
+    m = min(m, logprobs.shape[-1])
+    idx = np.argpartition(logprobs, -m)[-m:]
+    idx = idx[np.argsort(-logprobs[idx], kind="stable")]
+    return idx, logprobs[idx]

@@ -1,0 +1,156 @@
+"""The speculative engine: exactness, lossless sampling, stops, KV bookkeeping."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from bitsplit_llama.engine import Engine, Stats, TreeShape, max_lanes, n_seq_max_for
+from bitsplit_llama.errors import ContextLimitError, InvalidOptionError
+from bitsplit_llama.generate import Generator
+from bitsplit_llama.runtime import Context
+from bitsplit_llama.sampling import SamplingParams
+from test_verifier import make_f32_split
+
+PROMPTS = [[1] + list(range(260 + 3 * p, 272 + 3 * p)) for p in range(6)]
+
+
+@pytest.fixture(scope="module")
+def f32_split(tmp_path_factory):
+    return make_f32_split(tmp_path_factory.mktemp("f32split"))[1]
+
+
+@pytest.mark.parametrize("nodes", [1, 4, 16])
+def test_greedy_speculative_equals_verifier_alone_f32(f32_split, nodes):
+    with Generator(f32_split, n_ctx=512, tree_nodes=nodes) as g:
+        for p in PROMPTS:
+            plain = g.generate(p, max_tokens=48, speculative=False)
+            spec = g.generate(p, max_tokens=48, speculative=True)
+            assert spec.tokens == plain.tokens
+            assert plain.stats.tokens_per_verify == pytest.approx(1.0)
+
+
+def test_greedy_speculative_equals_verifier_alone_quantized(tiny_split):
+    """Q2_K base + Q6_K residual: the verifier's products are batch-invariant and the KV cache stays
+    in position order, so speculation changes no token even on a quantized model."""
+    with Generator(tiny_split, n_ctx=512, tree_nodes=16) as g:
+        for p in PROMPTS:
+            plain = g.generate(p, max_tokens=64, speculative=False)
+            spec = g.generate(p, max_tokens=64, speculative=True)
+            assert spec.tokens == plain.tokens
+        assert g.last_stats.n_verify < 64
+
+
+def test_same_seed_same_sample(tiny_split):
+    sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
+    with Generator(tiny_split, n_ctx=256, tree_nodes=8) as g:
+        a = g.generate(PROMPTS[0], max_tokens=40, sampling=sp, speculative=False).tokens
+        b = g.generate(PROMPTS[0], max_tokens=40, sampling=sp, speculative=True).tokens
+    assert a == b
+
+
+def _chi2_critical(df: int, alpha: float) -> float:
+    # Wilson-Hilferty approximation of the chi-square quantile
+    z = {0.001: 3.0902, 0.01: 2.3263, 0.05: 1.6449}[alpha]
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _two_sample_chi2(a: Counter, b: Counter, min_count: int = 5) -> tuple[float, int]:
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    big = [k for k in keys if a[k] + b[k] >= min_count]
+    rest = [k for k in keys if a[k] + b[k] < min_count]
+    cells = [(a[k], b[k]) for k in big] + ([(sum(a[k] for k in rest), sum(b[k] for k in rest))] if rest else [])
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for x, y in cells:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    return stat, len(cells) - 1
+
+
+def test_speculative_sampling_is_lossless(tiny_split):
+    """Independent seeds, 1500 samples each: the 2nd and 3rd generated tokens (drawn inside a
+    speculative cycle) follow the same distribution as verifier-alone sampling (chi-square, alpha=0.001)."""
+    n = 1500
+    with Generator(tiny_split, n_ctx=128, tree_nodes=8) as g:
+        samples = {}
+        for spec, offset in ((False, 0), (True, 10_000)):
+            c2, c3 = Counter(), Counter()
+            for i in range(n):
+                sp = SamplingParams(temperature=0.9, top_k=12, top_p=1.0, min_p=0.0, seed=offset + i)
+                t = g.generate(PROMPTS[1], max_tokens=3, sampling=sp, speculative=spec).tokens
+                c2[t[1]] += 1
+                c3[tuple(t[1:3])] += 1
+            samples[spec] = (c2, c3)
+    for idx in (0, 1):
+        stat, df = _two_sample_chi2(samples[False][idx], samples[True][idx])
+        assert df >= 3, "the test needs several outcomes to mean anything"
+        assert stat < _chi2_critical(df, 0.001), (idx, stat, df)
+
+
+def test_separate_kv_drafter_gives_the_verifiers_tokens(tiny_split):
+    with Generator(tiny_split, n_ctx=256, tree_nodes=16) as g:
+        ref = g.generate(PROMPTS[2], max_tokens=40, speculative=False).tokens
+        dctx = Context(g.model, n_ctx=256, n_batch=64, n_seq_max=n_seq_max_for(g.shape))
+        try:
+            eng = Engine(g.sm, g.shape, draft_ctx=dctx)
+            st = Stats()
+            got = [t for chunk in eng.generate(PROMPTS[2], 40, SamplingParams(), stats=st) for t in chunk]
+        finally:
+            dctx.close()
+    assert got == ref and st.n_verify < 40
+
+
+def test_limits_and_kv_bookkeeping(tiny_split):
+    with Generator(tiny_split, n_ctx=64, tree_nodes=16) as g:
+        r = g.generate(PROMPTS[0], max_tokens=7)
+        assert len(r.tokens) == 7 and r.finish_reason == "length"
+        eng = g.engine
+        # the cache holds the prompt and every emitted token but the last, in sequence 0 only
+        assert eng.n_past == len(PROMPTS[0]) + 6 and eng.tokens[:len(PROMPTS[0])] == PROMPTS[0]
+        assert g.sm.ctx.seq_pos_max(0) == eng.n_past - 1
+        for lane in range(1, n_seq_max_for(g.shape)):
+            assert g.sm.ctx.seq_pos_max(lane) == -1
+        # generation that reaches the context limit stops cleanly
+        r = g.generate(PROMPTS[0], max_tokens=500)
+        assert r.finish_reason in ("length", "stop") and len(PROMPTS[0]) + len(r.tokens) <= 64 + 1
+        # a prompt longer than the context is a clear error, and the model stays usable
+        with pytest.raises(ContextLimitError, match="prompt has 80 tokens but the context holds 64"):
+            g.generate([1] + [300] * 79, max_tokens=4)
+        assert len(g.generate(PROMPTS[1], max_tokens=5).tokens) == 5
+        with pytest.raises(InvalidOptionError):
+            g.generate([], max_tokens=3)
+
+
+def test_prompt_cache_reuse_gives_the_same_output(tiny_split):
+    with Generator(tiny_split, n_ctx=256, tree_nodes=8) as g:
+        a = g.generate(PROMPTS[3], max_tokens=20).tokens
+        b = g.generate(PROMPTS[3], max_tokens=20).tokens  # reuses the cached prompt
+        g.engine.reset()
+        c = g.generate(PROMPTS[3], max_tokens=20).tokens
+    assert a == b == c
+
+
+def test_stop_strings_and_streaming(tiny_split):
+    with Generator(tiny_split, n_ctx=256, tree_nodes=8) as g:
+        full = g.generate("the cat", max_tokens=30)
+        assert full.text
+        stop = full.text[len(full.text) // 2: len(full.text) // 2 + 2]
+        pieces = []
+        res = []
+        for piece, _ in g.stream("the cat", max_tokens=30, stop=[stop], on_finish=res.append):
+            pieces.append(piece)
+        assert "".join(pieces) == res[0].text == full.text[:full.text.find(stop)]
+        assert res[0].finish_reason == "stop"
+
+
+def test_tree_shape_validation():
+    with pytest.raises(InvalidOptionError):
+        TreeShape.for_nodes(-1)
+    with pytest.raises(InvalidOptionError):
+        TreeShape(4, 0, 3).validate()
+    assert TreeShape.for_nodes(1).width == 1 and TreeShape.for_nodes(16).nodes == 16

@@ -1,0 +1,137 @@
+"""Draft trees and acceptance, without a model (hypothesis properties)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bitsplit_llama.sampling import SamplingParams, draw, processed
+from bitsplit_llama.tree import ROOT, DraftTree, TreeBuilder, accept, top_candidates
+
+
+@st.composite
+def trees(draw_, max_nodes=24):
+    n = draw_(st.integers(0, max_nodes))
+    t = DraftTree(root_token=0)
+    for i in range(n):
+        parent = draw_(st.integers(-1, len(t) - 1)) if len(t) else ROOT
+        used = {t.nodes[c].token for c in t.children(parent)}
+        token = draw_(st.integers(1, 50).filter(lambda x: x not in used))
+        base = 0.0 if parent == ROOT else t.nodes[parent].logp
+        t.add(token, parent, base - draw_(st.floats(0.0, 3.0)))
+    return t
+
+
+@given(trees(), st.integers(0, 30))
+def test_best_is_ancestor_closed_and_keeps_the_most_probable(t, k):
+    b = t.best(k)
+    b.validate()
+    assert len(b) == min(k, len(t))
+    kept = sorted((n.logp for n in b.nodes), reverse=True)
+    all_ = sorted((n.logp for n in t.nodes), reverse=True)
+    assert kept == all_[:len(kept)]
+
+
+@given(trees())
+def test_layout_rows_see_their_subtree(t):
+    tokens, depths, seen = t.layout()
+    assert tokens[0] == t.root_token and depths[0] == 0
+    assert len(tokens) == len(depths) == len(seen) == len(t) + 1
+    assert seen[0] == list(range(len(t) + 1))  # every row attends to the root
+    for i, n in enumerate(t.nodes):
+        parent_row = 0 if n.parent == ROOT else 1 + n.parent
+        assert set(seen[1 + i]) <= set(seen[parent_row]) and 1 + i in seen[1 + i]
+        assert depths[1 + i] == n.depth
+    # a row's query sees exactly its ancestors (plus itself): one row per depth
+    for q in range(len(tokens)):
+        visible = [r for r in range(len(tokens)) if q in seen[r]]
+        assert sorted(depths[r] for r in visible) == list(range(depths[q] + 1))
+
+
+@given(trees())
+def test_dfs_keeps_the_tree_and_puts_the_main_chain_first(t):
+    d = t.dfs()
+    d.validate()
+    assert sorted((n.token, n.depth, n.logp) for n in d.nodes) == sorted((n.token, n.depth, n.logp) for n in t.nodes)
+    # following the most probable child from the root visits rows 1, 2, 3, ...
+    cur, row = ROOT, 0
+    while d.children(cur):
+        best = max(d.children(cur), key=lambda c: (d.nodes[c].logp, -c))
+        assert best == row
+        cur, row = best, row + 1
+
+
+@given(trees(), st.lists(st.integers(0, 60), min_size=1, max_size=40))
+def test_accept_walks_a_path_and_emits_verifier_tokens(t, choices):
+    seq = iter(choices + [99] * 40)
+    drawn_rows = []
+
+    def verifier(row):
+        drawn_rows.append(row)
+        return next(seq)
+
+    acc, bonus, emitted = accept(t, verifier)
+    assert 1 <= len(emitted) <= t.depth() + 1
+    assert emitted[-1] == bonus and len(emitted) == len(acc) + 1
+    # the accepted nodes form a chain from the root, and each is what the verifier drew
+    prev = ROOT
+    for i, node in enumerate(acc):
+        assert t.nodes[node].parent == prev
+        assert emitted[i] == t.nodes[node].token
+        prev = node
+    assert bonus not in [t.nodes[c].token for c in t.children(prev)]
+    assert drawn_rows == [0] + [1 + a for a in acc]  # one draw per emitted token
+
+
+def test_builder_grows_best_first_and_respects_budget():
+    b = TreeBuilder(root_token=7, width=2, max_nodes=5)
+    b.offer(ROOT, [1, 2, 3], [np.log(0.6), np.log(0.3), np.log(0.1)])
+    assert b.next_round() == [0, 1]  # tokens 1 and 2
+    b.offer(0, [4, 5], [np.log(0.9), np.log(0.1)])  # 0.54 and 0.06 cumulative
+    added = b.next_round()
+    assert [b.tree.nodes[i].token for i in added] == [4, 3]  # 0.54 > 0.1 > 0.06
+    b.offer(1, [6], [np.log(0.5)])
+    assert len(b.next_round()) == 1  # budget of 5 nodes
+    assert len(b.tree) == 5 and b.next_round() == []
+
+
+def test_top_candidates_orders_and_clips():
+    lp = np.log(np.array([0.1, 0.5, 0.05, 0.35]))
+    ids, vals = top_candidates(lp, 3)
+    assert list(ids) == [1, 3, 0] and np.all(np.diff(vals) <= 0)
+    assert len(top_candidates(lp, 10)[0]) == 4
+
+
+@settings(max_examples=50)
+@given(st.lists(st.floats(-5, 5), min_size=3, max_size=30), st.floats(0.1, 2.0), st.integers(0, 10),
+       st.floats(0.05, 1.0), st.floats(0.0, 0.5))
+def test_processed_distribution_is_a_distribution(logits, temp, top_k, top_p, min_p):
+    sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+    l32 = np.array(logits, dtype=np.float32)
+    ids, p = processed(l32, sp)
+    assert len(ids) >= 1 and abs(p.sum() - 1) < 1e-9 and np.all(p > 0)
+    assert len(set(ids.tolist())) == len(ids)
+    if top_k:
+        assert len(ids) <= top_k
+    assert l32[ids[0]] == l32.max()
+
+
+def test_sampling_rejects_bad_values():
+    from bitsplit_llama.errors import InvalidOptionError
+
+    for kw in ({"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"min_p": -0.1}, {"top_k": -1},
+               {"seed": -3}, {"temperature": float("nan")}):
+        with pytest.raises(InvalidOptionError):
+            SamplingParams(**kw)
+
+
+def test_draw_uses_one_random_number_per_token():
+    sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1)
+    logits = np.array([0.0, 1.0, 2.0], dtype=np.float32)
+    a, b = np.random.default_rng(5), np.random.default_rng(5)
+    for _ in range(10):
+        draw(logits, sp, a)
+        b.random()
+    assert a.random() == b.random()
