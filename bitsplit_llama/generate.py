@@ -41,12 +41,14 @@ class Generator:
 
     def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, tree_nodes: int = 16, shape: TreeShape | None = None,
-                 precision: str = "auto", verbose: bool = False, n_batch: int = 512):
+                 precision: str = "auto", verbose: bool = False, n_batch: int = 512, kernel: str | None = None):
         self.shape = shape or TreeShape.for_nodes(tree_nodes)
         self.shape.validate()
         self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, self.shape.nodes + 1),
                              n_seq_max=n_seq_max_for(self.shape), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                              precision=precision, verbose=verbose)
+        # plain steps carry two rows; tree passes 1 + nodes
+        self.kernel = self.sm.residual.choose_decode_kernel(max(2, self.shape.nodes + 1), kernel)
         self.engine = Engine(self.sm, self.shape)
         self.model = self.sm.model
         self._lock = threading.Lock()

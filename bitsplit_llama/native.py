@@ -63,7 +63,7 @@ const char * bitsplit_ctx_kernel(const bitsplit_ctx * ctx);
 STATUS_NAMES = {0: "OK", 1: "E_IO", 2: "E_FORMAT", 3: "E_MISMATCH", 4: "E_UNSUPPORTED", 5: "E_NOMEM",
                 6: "E_INVALID", 7: "E_STATE"}
 
-SOURCES = ("bitsplit.c", "kernels.c", "kernels_x86.c")
+SOURCES = ("bitsplit.c", "kernels.c", "kernels_x86.c", "kernels_int.c")
 HEADERS = ("bitsplit.h", "bs_internal.h")
 CFLAGS = ("-std=c11", "-O3", "-fPIC", "-Wall", "-fvisibility=default")
 

@@ -123,6 +123,22 @@ class Residual:
             raise UnsupportedModelError(f"kernel family '{name}' cannot run on this CPU")
         return self.kernel
 
+    def choose_decode_kernel(self, batch: int, name: str | None = None) -> str:
+        """Pick the kernel family for decode passes of ``batch`` columns (one family for a whole
+        generation keeps speculative output identical to plain decoding): ``name`` if given, else the
+        integer kernel for small batches (fastest and exact up to float rounding at 1..4 columns)
+        and the bf16 tile kernels beyond (their cost barely grows with the batch)."""
+        if name:
+            return self.set_kernel(name)
+        self.set_kernel(None)
+        if batch > 4:
+            for fam in ("amx-bf16", "avx512-bf16"):
+                try:
+                    return self.set_kernel(fam)
+                except UnsupportedModelError:
+                    continue
+        return self.kernel
+
     @property
     def kernel(self) -> str:
         return self._ffi.string(self._lib.bitsplit_ctx_kernel(self.ptr)).decode()

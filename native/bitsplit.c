@@ -62,7 +62,11 @@ struct bitsplit_ctx {
     int precision;
     int mode;
     bool replace_ok; /* custom-op layout check passed */
-    const bs_kernel_family * family;
+    const bs_kernel_family * family; /* the preferred family for decode batches (for reporting) */
+    const bs_kernel_family * families[BS_MAX_FAMILIES]; /* decode batches (<= 32 columns), in order */
+    int n_families;
+    const bs_kernel_family * large[BS_MAX_FAMILIES];    /* larger batches (prompts, evaluation) */
+    int n_large;
 
     /* shared by the threads of one product (nodes run one after another) */
     void * acts;
@@ -369,7 +373,9 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
     ggml_free(meta_res);
     ggml_free(meta_base);
     ctx->replace_ok = custom_layout_ok();
-    ctx->family = bs_kernels_select(getenv("BITSPLIT_KERNEL"));
+    ctx->n_families = bs_kernels_list(getenv("BITSPLIT_KERNEL"), ctx->families, BS_MAX_FAMILIES);
+    ctx->family = ctx->families[0];
+    ctx->n_large = bs_kernels_list(NULL, ctx->large, BS_MAX_FAMILIES);
     atomic_store(&ctx->enabled, false);
     *out = ctx;
     return BITSPLIT_OK;
@@ -525,9 +531,18 @@ static void barrier(bitsplit_ctx * ctx, int nth) {
     }
 }
 
+#define BS_DECODE_COLS 32
+
+/* Decode batches (the engine's verify passes) use the context's chosen families, so that every
+ * pass of one generation runs the same arithmetic; larger batches (prompts) the fastest there is. */
 static const bs_kernel_family * family_for(const bitsplit_ctx * ctx, const bs_job * job) {
-    if (ctx->family->supports(job)) {
-        return ctx->family;
+    const bool small = job->n_cols <= BS_DECODE_COLS;
+    const bs_kernel_family * const * list = small ? ctx->families : ctx->large;
+    const int n = small ? ctx->n_families : ctx->n_large;
+    for (int i = 0; i < n; i++) {
+        if (list[i]->supports(job)) {
+            return list[i];
+        }
     }
     return bs_generic_family();
 }
@@ -1188,11 +1203,14 @@ int bitsplit_ctx_set_kernel(bitsplit_ctx * ctx, const char * name) {
     if (ctx == NULL) {
         return BITSPLIT_E_INVALID;
     }
-    const bs_kernel_family * f = bs_kernels_select(name);
-    if (name != NULL && name[0] != '\0' && strcmp(f->name, name) != 0) {
+    const bs_kernel_family * list[BS_MAX_FAMILIES];
+    const int n = bs_kernels_list(name, list, BS_MAX_FAMILIES);
+    if (name != NULL && name[0] != '\0' && (n == 0 || strcmp(list[0]->name, name) != 0)) {
         return BITSPLIT_E_UNSUPPORTED;
     }
-    ctx->family = f;
+    memcpy(ctx->families, list, (size_t)n * sizeof(list[0]));
+    ctx->n_families = n;
+    ctx->family = list[0];
     return BITSPLIT_OK;
 }
 

@@ -108,8 +108,10 @@ int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, 
 /* the fastest kernel family this CPU runs ("amx-bf16", "avx512-bf16", "generic"), or the one
  * named by the environment variable BITSPLIT_KERNEL */
 const char * bitsplit_kernel_name(void);
-/* use the named family for this context (NULL or "": the fastest); BITSPLIT_E_UNSUPPORTED if this
- * CPU cannot run it. Every family computes the same products; tests compare them. */
+/* use the named family for this context's decode batches (up to 32 columns; larger batches always
+ * take the fastest family): NULL or "" restores the default order. BITSPLIT_E_UNSUPPORTED if this
+ * CPU cannot run it. Every family computes the same products up to rounding; tests compare them.
+ * One family for every pass of a generation keeps speculative output identical to plain decoding. */
 int bitsplit_ctx_set_kernel(bitsplit_ctx * ctx, const char * name);
 const char * bitsplit_ctx_kernel(const bitsplit_ctx * ctx);
 

@@ -64,6 +64,9 @@ typedef struct bs_kernel_family {
 
 /* kernels.c */
 const bs_kernel_family * bs_kernels_select(const char * force);
+/* available families in preference order (only: one named family, plus the generic fallback) */
+int bs_kernels_list(const char * only, const bs_kernel_family ** out, int max);
+#define BS_MAX_FAMILIES 8
 const bs_kernel_family * bs_generic_family(void);
 void * bs_scratch_get(bs_scratch * s, size_t size);
 void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k);

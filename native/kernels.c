@@ -151,30 +151,43 @@ static const bs_kernel_family generic_family = {
     "generic", generic_available, generic_supports, generic_acts_size, generic_prepare_acts, generic_rows,
 };
 
-/* x86 families, defined in kernels_x86.c when compiled for x86-64 */
+/* x86 families, defined in kernels_x86.c and kernels_int.c when compiled for x86-64 */
 #if defined(__x86_64__)
+extern const bs_kernel_family bs_family_vnni_int24;
 extern const bs_kernel_family bs_family_avx512_bf16;
 extern const bs_kernel_family bs_family_amx_bf16;
 #endif
 
-const bs_kernel_family * bs_kernels_select(const char * force) {
-    const bs_kernel_family * order[] = {
+/* every family, fastest first; the first that is available and supports a job computes it */
+static const bs_kernel_family * const all_families[] = {
 #if defined(__x86_64__)
-        &bs_family_amx_bf16,
-        &bs_family_avx512_bf16,
+    &bs_family_vnni_int24,
+    &bs_family_amx_bf16,
+    &bs_family_avx512_bf16,
 #endif
-        &generic_family,
-    };
-    for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++) {
-        const bs_kernel_family * f = order[i];
-        if (force != NULL && force[0] != '\0' && strcmp(force, f->name) != 0) {
+    &generic_family,
+};
+#define N_FAMILIES (sizeof(all_families) / sizeof(all_families[0]))
+
+int bs_kernels_list(const char * only, const bs_kernel_family ** out, int max) {
+    int n = 0;
+    for (size_t i = 0; i < N_FAMILIES && n < max; i++) {
+        const bs_kernel_family * f = all_families[i];
+        const bool named = only != NULL && only[0] != '\0';
+        if (named && strcmp(only, f->name) != 0 && f != &generic_family) {
             continue;
         }
         if (f->available()) {
-            return f;
+            out[n++] = f;
         }
     }
-    return &generic_family;
+    return n;
+}
+
+const bs_kernel_family * bs_kernels_select(const char * force) {
+    const bs_kernel_family * list[N_FAMILIES];
+    const int n = bs_kernels_list(force, list, (int)N_FAMILIES);
+    return n > 0 ? list[0] : &generic_family;
 }
 
 const bs_kernel_family * bs_generic_family(void) { return &generic_family; }

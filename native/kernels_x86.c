@@ -284,39 +284,221 @@ TGT_AVX512 static void deq(enum ggml_type type, const uint8_t * row, int64_t k0,
     }
 }
 
-/* chunk of K unpacked at once: a K-quant superblock when K allows, else 32 (one AMX tile width) */
-static int64_t chunk_of(int64_t K) { return K % QK == 0 ? QK : 32; }
+/* ---------------------------------------------------------------------------------------------
+ * unpacking straight to bf16, in tile layout: element k of row i goes to dst[(k/32)*512 + i*32 + k%32]
+ * (dst already offset to the row). Base and residual are unpacked into separate buffers and summed
+ * by the products (bf16(W2) + bf16(R)). Small codes (2 to 5 bits) become bf16 through a per-block
+ * table and one vpermw per 32 weights; 6- and 8-bit codes through f32.
+ * ------------------------------------------------------------------------------------------- */
 
-/* A buffer: rows [r0, r0+16) x all of K as bf16, tile-major: abuf[k/32][16][32]; rows past N zero */
-TGT_AVX512 static void unpack_rowblock(const bs_job * job, int64_t r0, uint16_t * abuf, float * tmp) {
-    const int64_t K = job->K, ch = chunk_of(K);
-    float * wr = tmp;
-    float * rr = tmp + QK;
+#define TILE_WORDS 512 /* one 16 x 32 bf16 tile */
+
+TGT_AVX512 static inline void store_bf16(uint16_t * dst, int64_t kc, __m512 lo, __m512 hi) {
+    _mm512_storeu_si512((void *)(dst + (size_t)kc * TILE_WORDS), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* words 0..31: value of the 32-entry table for each index word */
+TGT_AVX512 static inline void store_lookup(uint16_t * dst, int64_t kc, __m512i idx, __m512i table) {
+    _mm512_storeu_si512((void *)(dst + (size_t)kc * TILE_WORDS), _mm512_permutexvar_epi16(idx, table));
+}
+
+TGT_AVX512 static inline __m512i ramp_words(int lo_val, int hi_val) {
+    /* words 0..15 = lo_val, 16..31 = hi_val */
+    return _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)lo_val), _mm512_set1_epi16((short)hi_val));
+}
+
+/* Q2_K: w = d*sc*q - dmin*m, q in 0..3, 16 sub-blocks of 16. Table n (sub-blocks 8n..8n+7) holds
+ * entry q*8 + local sub-block. */
+TGT_AVX512 static void bf16_q2_K(const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst) {
+    const __m512i e = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i sb_lo = _mm512_and_si512(e, _mm512_set1_epi32(7));            /* entries 0..15: q = e>>3 */
+    const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_srli_epi32(e, 3));             /* 0,0..,1,1.. */
+    const __m512 q_hi = _mm512_add_ps(q_lo, _mm512_set1_ps(2.0f));               /* entries 16..31 */
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int64_t sb = 0; sb < n_el / QK; sb++) {
+        const uint8_t * b = row + (size_t)(k0 / QK + sb) * 84;
+        const float d = h2f(b + 80), dmin = h2f(b + 82);
+        const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+        const __m512 D = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_and_si512(s, _mm512_set1_epi32(15))));
+        const __m512 M = _mm512_mul_ps(_mm512_set1_ps(dmin), _mm512_cvtepi32_ps(_mm512_srli_epi32(s, 4)));
+        const uint8_t * qs = b + 16;
+        for (int n = 0; n < 2; n++) {
+            const __m512i pidx = _mm512_add_epi32(sb_lo, _mm512_set1_epi32(8 * n));
+            const __m512 Dp = _mm512_permutexvar_ps(pidx, D), Mp = _mm512_permutexvar_ps(pidx, M);
+            const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(q_hi, Dp, Mp), _mm512_fmsub_ps(q_lo, Dp, Mp));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+            for (int sh = 0; sh < 4; sh++) {
+                const __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * sh), m3);
+                const __m512i idx = _mm512_add_epi16(_mm512_slli_epi16(_mm512_cvtepu8_epi16(v), 3), ramp_words(2 * sh, 2 * sh + 1));
+                store_lookup(dst, sb * 8 + n * 4 + sh, idx, table);
+            }
+        }
+    }
+}
+
+/* Q3_K: w = d*(sc - 32)*(q2 - 4*!h); index i = q2 + 4h in 0..7 gives (i - 4). Table t (sub-blocks
+ * 4t..4t+3) holds entry i*4 + local sub-block. */
+TGT_AVX512 static void bf16_q3_K(const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst) {
+    const __m512i e = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i sbl = _mm512_and_si512(e, _mm512_set1_epi32(3));
+    const __m512 r_lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(e, 2), _mm512_set1_epi32(4))); /* i-4, i=0..3 */
+    const __m512 r_hi = _mm512_add_ps(r_lo, _mm512_set1_ps(4.0f));                                              /* i=4..7 */
+    const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    for (int64_t sb = 0; sb < n_el / QK; sb++) {
+        const uint8_t * b = row + (size_t)(k0 / QK + sb) * 110;
+        int8_t sc[16];
+        q3k_scales(b + 96, sc);
+        const float d = h2f(b + 108);
+        const __m512 D = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_sub_epi32(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)), _mm512_set1_epi32(32))));
+        __m512i tables[4];
+        for (int t = 0; t < 4; t++) {
+            const __m512 Dp = _mm512_permutexvar_ps(_mm512_add_epi32(sbl, _mm512_set1_epi32(4 * t)), D);
+            tables[t] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(r_hi, Dp), _mm512_mul_ps(r_lo, Dp));
+        }
+        const __m256i h = _mm256_loadu_si256((const __m256i *)b);
+        const uint8_t * qs = b + 32;
+        for (int n = 0; n < 2; n++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+            for (int sh = 0; sh < 4; sh++) {
+                const __mmask32 set = _mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1u << (4 * n + sh))));
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * sh), m3);
+                v = _mm256_mask_add_epi8(v, set, v, four);
+                const int j = 2 * sh; /* local sub-block of the first 16 within table 2n + sh/2 */
+                const __m512i idx = _mm512_add_epi16(_mm512_slli_epi16(_mm512_cvtepu8_epi16(v), 2), ramp_words(j % 4, j % 4 + 1));
+                store_lookup(dst, sb * 8 + n * 4 + sh, idx, tables[2 * n + sh / 2]);
+            }
+        }
+    }
+}
+
+/* Q4_K (qh == NULL: 4 bits) and Q5_K (5 bits): w = d*sc*q - dmin*m, sub-blocks of 32. */
+TGT_AVX512 static void bf16_q45_K(const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst, bool q5) {
+    const __m512 ramp = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 ramp16 = _mm512_add_ps(ramp, _mm512_set1_ps(16.0f));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const size_t bsz = q5 ? 176 : 144;
+    for (int64_t sb = 0; sb < n_el / QK; sb++) {
+        const uint8_t * b = row + (size_t)(k0 / QK + sb) * bsz;
+        const float d = h2f(b), dmin = h2f(b + 2);
+        const uint8_t * scales = b + 4;
+        const uint8_t * qh = q5 ? b + 16 : NULL;
+        const uint8_t * qs = b + (q5 ? 48 : 16);
+        const __m256i hb = q5 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            uint8_t s1, m1, s2, m2;
+            scale_min_k4(2 * j, scales, &s1, &m1);
+            scale_min_k4(2 * j + 1, scales, &s2, &m2);
+            const __m512 D1 = _mm512_set1_ps(d * s1), M1 = _mm512_set1_ps(dmin * m1);
+            const __m512 D2 = _mm512_set1_ps(d * s2), M2 = _mm512_set1_ps(dmin * m2);
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(q, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            __m512i t1, t2;
+            if (q5) {
+                lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(hb, _mm256_set1_epi8((char)(1u << (2 * j)))), lo, _mm256_set1_epi8(16));
+                hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(hb, _mm256_set1_epi8((char)(2u << (2 * j)))), hi, _mm256_set1_epi8(16));
+                t1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(ramp16, D1, M1), _mm512_fmsub_ps(ramp, D1, M1));
+                t2 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(ramp16, D2, M2), _mm512_fmsub_ps(ramp, D2, M2));
+                store_lookup(dst, sb * 8 + 2 * j, _mm512_cvtepu8_epi16(lo), t1);
+                store_lookup(dst, sb * 8 + 2 * j + 1, _mm512_cvtepu8_epi16(hi), t2);
+            } else {
+                /* one table for both sub-blocks: entries 0..15 for the first, 16..31 for the second */
+                t1 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(ramp, D2, M2), _mm512_fmsub_ps(ramp, D1, M1));
+                store_lookup(dst, sb * 8 + 2 * j, _mm512_cvtepu8_epi16(lo), t1);
+                store_lookup(dst, sb * 8 + 2 * j + 1, _mm512_add_epi16(_mm512_cvtepu8_epi16(hi), _mm512_set1_epi16(16)), t1);
+            }
+        }
+    }
+}
+
+/* Q6_K: w = d*sc*(q - 32), sub-blocks of 16, through f32 */
+TGT_AVX512 static void bf16_q6_K(const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    for (int64_t sb = 0; sb < n_el / QK; sb++) {
+        const uint8_t * b = row + (size_t)(k0 / QK + sb) * 210;
+        const float d = h2f(b + 208);
+        const int8_t * sc = (const int8_t *)(b + 192);
+        for (int n = 0; n < 2; n++) {
+            const uint8_t * ql = b + 64 * n;
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+            for (int i = 0; i < 4; i++) {
+                const __m256i v = _mm256_sub_epi8(q[i], k32);
+                const int j = 8 * n + 2 * i;
+                store_bf16(dst, sb * 8 + 4 * n + i,
+                           _mm512_mul_ps(i8x16_ps(_mm256_castsi256_si128(v)), _mm512_set1_ps(d * sc[j])),
+                           _mm512_mul_ps(i8x16_ps(_mm256_extracti128_si256(v, 1)), _mm512_set1_ps(d * sc[j + 1])));
+            }
+        }
+    }
+}
+
+TGT_AVX512 static void bf16_q8_0(const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst) {
+    for (int64_t kb = 0; kb < n_el / 32; kb++) {
+        const uint8_t * b = row + (size_t)(k0 / 32 + kb) * 34;
+        const __m512 d = _mm512_set1_ps(h2f(b));
+        store_bf16(dst, kb, _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(b + 2))), d),
+                   _mm512_mul_ps(i8x16_ps(_mm_loadu_si128((const __m128i *)(b + 18))), d));
+    }
+}
+
+/* anything else: f32 through deq() (fast for Q4_0/Q4_1, ggml's dequantizer otherwise) */
+TGT_AVX512 static void bf16_any(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst,
+                                float * tmp) {
+    const int64_t ch = n_el % QK == 0 ? QK : 32;
+    for (int64_t k = 0; k < n_el; k += ch) {
+        deq(type, row, k0 + k, ch, tmp);
+        for (int64_t j = 0; j < ch; j += 32) {
+            store_bf16(dst, (k + j) / 32, _mm512_loadu_ps(tmp + j), _mm512_loadu_ps(tmp + j + 16));
+        }
+    }
+}
+
+/* elements [k0, k0 + n) of a row (n: multiple of 256 when the row's K allows, else of 32) */
+TGT_AVX512 static void unpack_row_bf16(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n, uint16_t * dst,
+                                       float * tmp) {
+    if (n % QK == 0 && k0 % QK == 0) {
+        switch (type) {
+            case GGML_TYPE_Q2_K: bf16_q2_K(row, k0, n, dst); return;
+            case GGML_TYPE_Q3_K: bf16_q3_K(row, k0, n, dst); return;
+            case GGML_TYPE_Q4_K: bf16_q45_K(row, k0, n, dst, false); return;
+            case GGML_TYPE_Q5_K: bf16_q45_K(row, k0, n, dst, true); return;
+            case GGML_TYPE_Q6_K: bf16_q6_K(row, k0, n, dst); return;
+            default: break;
+        }
+    }
+    if (type == GGML_TYPE_Q8_0) {
+        bf16_q8_0(row, k0, n, dst);
+        return;
+    }
+    bf16_any(type, row, k0, n, dst, tmp);
+}
+
+/* Elements [k0, k0 + n) of rows [r0, r0+16) of base and residual as bf16 tiles: abuf[k/32][16][32]
+ * (k relative to k0) and rbuf (same layout). Rows past N are zero. */
+TGT_AVX512 static void unpack_rowblock(const bs_job * job, int64_t r0, int64_t k0, int64_t n, uint16_t * abuf,
+                                       uint16_t * rbuf, float * tmp) {
     const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
     for (int64_t i = 0; i < BS_ROW_BLOCK; i++) {
         if (i >= rows) {
-            for (int64_t kc = 0; kc < K / 32; kc++) {
-                memset(abuf + (size_t)kc * 512 + i * 32, 0, 64);
+            for (int64_t kc = 0; kc < n / 32; kc++) {
+                memset(rbuf + (size_t)kc * TILE_WORDS + i * 32, 0, 64);
+                if (job->w2) memset(abuf + (size_t)kc * TILE_WORDS + i * 32, 0, 64);
             }
             continue;
         }
-        const uint8_t * wrow = job->w2 ? job->w2 + (size_t)(r0 + i) * job->w2_row_bytes : NULL;
-        const uint8_t * rrow = job->r + (size_t)(r0 + i) * job->r_row_bytes;
-        for (int64_t k0 = 0; k0 < K; k0 += ch) {
-            deq(job->r_type, rrow, k0, ch, rr);
-            if (wrow) {
-                deq(job->w2_type, wrow, k0, ch, wr);
-            }
-            for (int64_t k = 0; k < ch; k += 32) {
-                __m512 a = _mm512_loadu_ps(rr + k), b2 = _mm512_loadu_ps(rr + k + 16);
-                if (wrow) {
-                    a = _mm512_add_ps(_mm512_loadu_ps(wr + k), a);
-                    b2 = _mm512_add_ps(_mm512_loadu_ps(wr + k + 16), b2);
-                }
-                /* cvtne2ps2bf16(hi, lo): lo fills elements 0..15 */
-                const __m512bh v = _mm512_cvtne2ps_pbh(b2, a);
-                _mm512_storeu_si512((void *)(abuf + (size_t)((k0 + k) / 32) * 512 + i * 32), (__m512i)v);
-            }
+        unpack_row_bf16(job->r_type, job->r + (size_t)(r0 + i) * job->r_row_bytes, k0, n, rbuf + i * 32, tmp);
+        if (job->w2) {
+            unpack_row_bf16(job->w2_type, job->w2 + (size_t)(r0 + i) * job->w2_row_bytes, k0, n, abuf + i * 32, tmp);
         }
     }
 }
@@ -338,8 +520,8 @@ static bool fast_types(const bs_job * job) {
     }
     /* any other readable type: unpacked through ggml's dequantizer when it has no fast path;
      * its block must divide the unpack chunk */
-    return bs_type_readable(w) && chunk_of(job->K) % ggml_blck_size(w) == 0 &&
-           chunk_of(job->K) % ggml_blck_size(r) == 0;
+    const int64_t ch = job->K % QK == 0 ? QK : 32;
+    return bs_type_readable(w) && ch % ggml_blck_size(w) == 0 && ch % ggml_blck_size(r) == 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -364,9 +546,10 @@ TGT_AVX512 static void avx512_prepare_acts(const bs_job * job, int64_t c0, int64
 
 TGT_AVX512 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-TGT_AVX512 static void avx512_block_product(const bs_job * job, const uint16_t * abuf, int64_t r0) {
+TGT_AVX512 static void avx512_block_product(const bs_job * job, const uint16_t * abuf, const uint16_t * rbuf, int64_t r0) {
     const int64_t K = job->K, nkc = K / 32;
     const uint16_t * acts = job->acts;
+    const bool base = job->w2 != NULL;
     const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
     for (int64_t i0 = 0; i0 < rows; i0 += 4) {
         const int64_t ni = rows - i0 < 4 ? rows - i0 : 4;
@@ -376,11 +559,17 @@ TGT_AVX512 static void avx512_block_product(const bs_job * job, const uint16_t *
             for (int a = 0; a < 4; a++)
                 for (int b = 0; b < 4; b++) acc[a][b] = _mm512_setzero_ps();
             for (int64_t kc = 0; kc < nkc; kc++) {
-                __m512bh w[4], x[4];
-                for (int a = 0; a < 4; a++) w[a] = (__m512bh)_mm512_loadu_si512(abuf + (size_t)kc * 512 + (i0 + a) * 32);
+                __m512bh x[4];
                 for (int b = 0; b < 4; b++) x[b] = (__m512bh)_mm512_loadu_si512(acts + (size_t)(c + b) * K + kc * 32);
-                for (int a = 0; a < 4; a++)
-                    for (int b = 0; b < 4; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], w[a], x[b]);
+                for (int a = 0; a < 4; a++) {
+                    const size_t o = (size_t)kc * TILE_WORDS + (i0 + a) * 32;
+                    const __m512bh wr = (__m512bh)_mm512_loadu_si512(rbuf + o);
+                    if (base) {
+                        const __m512bh wb = (__m512bh)_mm512_loadu_si512(abuf + o);
+                        for (int b = 0; b < 4; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wb, x[b]);
+                    }
+                    for (int b = 0; b < 4; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wr, x[b]);
+                }
             }
             for (int a = 0; a < ni; a++)
                 for (int b = 0; b < 4; b++) {
@@ -394,7 +583,9 @@ TGT_AVX512 static void avx512_block_product(const bs_job * job, const uint16_t *
             for (int64_t kc = 0; kc < nkc; kc++) {
                 const __m512bh x = (__m512bh)_mm512_loadu_si512(acts + (size_t)c * K + kc * 32);
                 for (int a = 0; a < 4; a++) {
-                    acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512(abuf + (size_t)kc * 512 + (i0 + a) * 32), x);
+                    const size_t o = (size_t)kc * TILE_WORDS + (i0 + a) * 32;
+                    if (base) acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512(abuf + o), x);
+                    acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512(rbuf + o), x);
                 }
             }
             for (int a = 0; a < ni; a++) {
@@ -406,8 +597,9 @@ TGT_AVX512 static void avx512_block_product(const bs_job * job, const uint16_t *
     }
 }
 
+/* two bf16 row blocks (base, residual), an f32 unpack buffer, an f32 16x16 tile */
 static size_t rowblock_scratch(const bs_job * job) {
-    return (size_t)job->K * BS_ROW_BLOCK * 2 + 2 * QK * sizeof(float) + 16 * 16 * sizeof(float) + 1024;
+    return 2 * (size_t)job->K * BS_ROW_BLOCK * 2 + 2 * QK * sizeof(float) + 16 * 16 * sizeof(float) + 1024;
 }
 
 TGT_AVX512 static void avx512_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
@@ -415,10 +607,11 @@ TGT_AVX512 static void avx512_rows(const bs_job * job, int64_t r0, int64_t r1, b
     if (abuf == NULL) {
         return;
     }
-    float * tmp = (float *)(abuf + (size_t)job->K * BS_ROW_BLOCK);
+    uint16_t * rbuf = abuf + (size_t)job->K * BS_ROW_BLOCK;
+    float * tmp = (float *)(rbuf + (size_t)job->K * BS_ROW_BLOCK);
     for (int64_t r = r0; r < r1; r += BS_ROW_BLOCK) {
-        unpack_rowblock(job, r, abuf, tmp);
-        avx512_block_product(job, abuf, r);
+        unpack_rowblock(job, r, 0, job->K, abuf, rbuf, tmp);
+        avx512_block_product(job, abuf, rbuf, r);
     }
 }
 
@@ -477,11 +670,15 @@ TGT_AVX512 static void amx_prepare_acts(const bs_job * job, int64_t c0, int64_t 
 TGT_AMX static inline void load_cfg(const tile_cfg * c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c) : "memory"); }
 TGT_AMX static inline void store_cfg(tile_cfg * c) { __asm__ volatile("sttilecfg %0" : "=m"(*c)::"memory"); }
 
-TGT_AMX static void amx_block_product(const bs_job * job, const uint16_t * abuf, int64_t r0, float * ctmp) {
+TGT_AMX static void amx_block_product(const bs_job * job, const uint16_t * abuf, const uint16_t * rbuf, int64_t r0,
+                                      float * ctmp) {
     const int64_t K = job->K, nkc = K / 32;
     const int64_t groups = (job->n_cols + 15) / 16;
     const uint16_t * acts = job->acts;
+    const bool base = job->w2 != NULL;
     const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
+    const size_t gstride = (size_t)nkc * TILE_WORDS;
+    /* tiles: 0-3 accumulators (one per group of 16 columns), 4 base, 5 residual, 6/7 activations */
     for (int64_t g0 = 0; g0 < groups; g0 += 4) {
         const int64_t ng = groups - g0 < 4 ? groups - g0 : 4;
         _tile_zero(0);
@@ -489,23 +686,18 @@ TGT_AMX static void amx_block_product(const bs_job * job, const uint16_t * abuf,
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kc = 0; kc < nkc; kc++) {
-            _tile_loadd(4, abuf + (size_t)kc * 512, 64);
-            const uint16_t * bt = acts + ((size_t)g0 * (size_t)nkc + (size_t)kc) * 512;
-            const size_t gstride = (size_t)nkc * 512;
-            _tile_loadd(5, bt, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (ng > 1) {
-                _tile_loadd(6, bt + gstride, 64);
-                _tile_dpbf16ps(1, 4, 6);
-            }
-            if (ng > 2) {
-                _tile_loadd(7, bt + 2 * gstride, 64);
-                _tile_dpbf16ps(2, 4, 7);
-            }
-            if (ng > 3) {
-                _tile_loadd(5, bt + 3 * gstride, 64);
-                _tile_dpbf16ps(3, 4, 5);
-            }
+            if (base) _tile_loadd(4, abuf + (size_t)kc * TILE_WORDS, 64);
+            _tile_loadd(5, rbuf + (size_t)kc * TILE_WORDS, 64);
+            const uint16_t * bt = acts + ((size_t)g0 * (size_t)nkc + (size_t)kc) * TILE_WORDS;
+#define BS_GROUP(C, B, OFF)                  \
+    _tile_loadd(B, bt + (OFF) * gstride, 64); \
+    if (base) _tile_dpbf16ps(C, 4, B);        \
+    _tile_dpbf16ps(C, 5, B);
+            BS_GROUP(0, 6, 0)
+            if (ng > 1) { BS_GROUP(1, 7, 1) }
+            if (ng > 2) { BS_GROUP(2, 6, 2) }
+            if (ng > 3) { BS_GROUP(3, 7, 3) }
+#undef BS_GROUP
         }
         for (int64_t gi = 0; gi < ng; gi++) {
             switch (gi) {
@@ -528,12 +720,64 @@ TGT_AMX static void amx_block_product(const bs_job * job, const uint16_t * abuf,
     }
 }
 
+/* up to 64 columns: the 4 accumulator tiles stay resident while K streams through in chunks that
+ * are unpacked into L1 (16 rows x 256 x 2 buffers = 16 KB) and multiplied at once */
+TGT_AMX static void amx_block_streaming(const bs_job * job, int64_t r0, uint16_t * abuf, uint16_t * rbuf, float * tmp,
+                                        float * ctmp) {
+    const int64_t K = job->K, nkc = K / 32;
+    const int64_t ng = (job->n_cols + 15) / 16;
+    const int64_t ch = K % QK == 0 ? QK : 32;
+    const uint16_t * acts = job->acts;
+    const bool base = job->w2 != NULL;
+    const size_t gstride = (size_t)nkc * TILE_WORDS;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k0 = 0; k0 < K; k0 += ch) {
+        unpack_rowblock(job, r0, k0, ch, abuf, rbuf, tmp);
+        for (int64_t t = 0; t < ch / 32; t++) {
+            if (base) _tile_loadd(4, abuf + (size_t)t * TILE_WORDS, 64);
+            _tile_loadd(5, rbuf + (size_t)t * TILE_WORDS, 64);
+            const uint16_t * bt = acts + (size_t)(k0 / 32 + t) * TILE_WORDS;
+#define BS_GROUP(C, B, OFF)                  \
+    _tile_loadd(B, bt + (OFF) * gstride, 64); \
+    if (base) _tile_dpbf16ps(C, 4, B);        \
+    _tile_dpbf16ps(C, 5, B);
+            BS_GROUP(0, 6, 0)
+            if (ng > 1) { BS_GROUP(1, 7, 1) }
+            if (ng > 2) { BS_GROUP(2, 6, 2) }
+            if (ng > 3) { BS_GROUP(3, 7, 3) }
+#undef BS_GROUP
+        }
+    }
+    const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
+    for (int64_t gi = 0; gi < ng; gi++) {
+        switch (gi) {
+            case 0: _tile_stored(0, ctmp, 64); break;
+            case 1: _tile_stored(1, ctmp, 64); break;
+            case 2: _tile_stored(2, ctmp, 64); break;
+            default: _tile_stored(3, ctmp, 64); break;
+        }
+        const int64_t ncol = job->n_cols - gi * 16 < 16 ? job->n_cols - gi * 16 : 16;
+        for (int64_t j = 0; j < ncol; j++) {
+            float * y = job->y + (gi * 16 + j) * job->ldy + r0;
+            if (job->accumulate) {
+                for (int64_t i = 0; i < rows; i++) y[i] += ctmp[i * 16 + j];
+            } else {
+                for (int64_t i = 0; i < rows; i++) y[i] = ctmp[i * 16 + j];
+            }
+        }
+    }
+}
+
 TGT_AMX static void amx_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
     uint16_t * abuf = bs_scratch_get(scratch, rowblock_scratch(job));
     if (abuf == NULL) {
         return;
     }
-    float * tmp = (float *)(abuf + (size_t)job->K * BS_ROW_BLOCK);
+    uint16_t * rbuf = abuf + (size_t)job->K * BS_ROW_BLOCK;
+    float * tmp = (float *)(rbuf + (size_t)job->K * BS_ROW_BLOCK);
     float * ctmp = tmp + 2 * QK;
     tile_cfg saved, cfg;
     memset(&cfg, 0, sizeof(cfg));
@@ -544,9 +788,14 @@ TGT_AMX static void amx_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scra
     }
     store_cfg(&saved); /* whoever else uses tiles on this thread (ggml's AMX code) gets its config back */
     load_cfg(&cfg);
+    const bool streaming = job->n_cols <= 64;
     for (int64_t r = r0; r < r1; r += BS_ROW_BLOCK) {
-        unpack_rowblock(job, r, abuf, tmp);
-        amx_block_product(job, abuf, r, ctmp);
+        if (streaming) {
+            amx_block_streaming(job, r, abuf, rbuf, tmp, ctmp);
+        } else {
+            unpack_rowblock(job, r, 0, job->K, abuf, rbuf, tmp);
+            amx_block_product(job, abuf, rbuf, r, ctmp);
+        }
     }
     if (saved.palette != 0) {
         load_cfg(&saved);
