@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BitsplitError", "BusyError", "ContextLimitError", "GGUFFormatError", "InputError", "InvalidOptionError",
     "MismatchError", "NativeError", "OutputError", "UnsupportedModelError", "split_model", "split_info",
-    "fetch_model", "__version__",
+    "fetch_model", "BitsplitLlama", "__version__",
 ]
 
 
@@ -26,6 +26,10 @@ def __getattr__(name: str):
         from .modeldir import split_info
 
         return split_info
+    if name == "BitsplitLlama":
+        from .llama import get_class
+
+        return get_class()
     if name == "fetch_model":
         from .fetch import fetch_model
 

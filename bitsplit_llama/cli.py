@@ -195,6 +195,88 @@ def run(
           f"prompt {st.n_prompt} tokens in {st.prompt_seconds:.2f} s", file=sys.stderr)
 
 
+@app.command()
+@handles_errors
+def serve(
+    model_dir: Path = typer.Argument(..., help="A split model directory."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, "--port"),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id in the API (default: the directory's name)."),
+    n_ctx: int = typer.Option(4096, "--n-ctx"),
+    tree_nodes: str = typer.Option("16", "--tree-nodes"),
+    n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl"),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+) -> None:
+    """Serve a split model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions)."""
+    from .modeldir import split_paths
+    from .server import serve as run_server
+
+    if not 0 < port < 65536:
+        raise InvalidOptionError(f"--port: {port} is not a TCP port (1..65535)")
+    if threads is not None and threads < 1:
+        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
+    split_paths(model_dir)
+    print(f"serving {model_dir} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    run_server(str(model_dir), host=host, port=port, model_name=model_name, n_ctx=n_ctx,
+               tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers, n_threads=threads)
+
+
+@app.command()
+@handles_errors
+def chat(
+    model_dir: Path = typer.Argument(..., help="A split model directory."),
+    system: Optional[str] = typer.Option(None, "--system", help="A system prompt."),
+    temp: float = typer.Option(0.7, "--temp"),
+    n_predict: int = typer.Option(512, "-n", "--n-predict", help="Tokens per reply at most."),
+    n_ctx: int = typer.Option(4096, "--n-ctx"),
+    tree_nodes: str = typer.Option("16", "--tree-nodes"),
+    n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl"),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+) -> None:
+    """Chat in the terminal with the model's own chat template, replies streamed. /reset clears, /exit quits."""
+    from .llama import get_class
+    from .modeldir import split_paths
+
+    split_paths(model_dir)
+    _sampling(temp, 40, 0.95, 0.05, seed)  # validates the values
+    llm = get_class()(model_dir, n_ctx=n_ctx, tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers,
+                      n_threads=threads, verbose=False, seed=seed if seed is not None else 0xFFFFFFFF)
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    print(f"chatting with {model_dir} ({llm.chat_format}); /reset clears the conversation, /exit or Ctrl-D quits",
+          file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                break
+            if line.strip() in ("/exit", "/quit"):
+                break
+            if line.strip() == "/reset":
+                history = history[:1] if system else []
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            reply = []
+            for chunk in llm.create_chat_completion(messages=history, temperature=temp, max_tokens=n_predict,
+                                                    stream=True, seed=seed):
+                piece = chunk["choices"][0]["delta"].get("content") or ""
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            print()
+            history.append({"role": "assistant", "content": "".join(reply)})
+            st = llm.last_stats
+            if st is not None:
+                print(f"[{st.n_emitted} tokens, {st.tokens_per_second:.1f} tokens/s, {st.tokens_per_verify:.2f} tokens/verify]",
+                      file=sys.stderr)
+    finally:
+        llm.close()
+
+
 @app.command("eval")
 @handles_errors
 def eval_(
