@@ -13,7 +13,6 @@ verifier pass (``--residual-only``: R . x alone, the CPU half of the GPU configu
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import statistics
 import time
@@ -24,18 +23,7 @@ import numpy as np
 from bitsplit_llama.residual import Residual
 
 
-def memory_bandwidth(threads: int, gib: float = 1.0, repeat: int = 5) -> float:
-    """Bytes/s of a threaded numpy sum over a float32 array much larger than the caches."""
-    n = int(gib * 2**30) // 4
-    a = np.ones(n, dtype=np.float32)
-    parts = np.array_split(a, threads)
-    best = []
-    with cf.ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            list(pool.map(lambda p: float(np.add.reduce(p)), parts))
-            best.append(time.perf_counter() - t0)
-    return a.nbytes / statistics.median(best)
+from bitsplit_llama.bench import memory_bandwidth  # threaded numpy max-reduce over 1 GiB
 
 
 def main() -> None:

@@ -131,14 +131,20 @@ def _sampling(temp: float, top_k: int, top_p: float, min_p: float, seed: Optiona
     return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
 
 
-def _tree_nodes(value: str) -> int:
+def _tree_nodes(value: str) -> int | str:
+    if value == "auto":
+        return "auto"
     try:
         n = int(value)
     except ValueError:
-        raise InvalidOptionError(f"--tree-nodes: '{value}' is not a non-negative integer") from None
+        raise InvalidOptionError(f"--tree-nodes: '{value}' is neither 'auto' nor a non-negative integer") from None
     if n < 0:
         raise InvalidOptionError(f"--tree-nodes: {n} is negative")
     return n
+
+
+def _say(s: str) -> None:
+    print(s, file=sys.stderr, flush=True)
 
 
 @app.command()
@@ -152,7 +158,8 @@ def run(
     top_p: float = typer.Option(0.95, "--top-p"),
     min_p: float = typer.Option(0.05, "--min-p"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    tree_nodes: str = typer.Option("16", "--tree-nodes", help="Draft tree size; 0 = verifier alone."),
+    tree_nodes: str = typer.Option("auto", "--tree-nodes",
+                                   help="Draft tree size: 'auto' (best for this machine, measured once), or a number; 0 = verifier alone."),
     n_ctx: int = typer.Option(4096, "--n-ctx", help="Context size in tokens."),
     n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl", help="Base layers to offload to the GPU."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t"),
@@ -166,6 +173,8 @@ def run(
 
     sp = _sampling(temp, top_k, top_p, min_p, seed)
     nodes = 0 if no_spec else _tree_nodes(tree_nodes)
+    if nodes == "auto" and n_ctx < 512:
+        raise InvalidOptionError(f"--n-ctx: {n_ctx} is too small for --tree-nodes auto's calibration (at least 512)")
     if n_predict < 0:
         raise InvalidOptionError(f"-n: {n_predict} is negative")
     if threads is not None and threads < 1:
@@ -174,8 +183,11 @@ def run(
         raise InvalidOptionError(f"--n-gpu-layers: {n_gpu_layers} is negative")
     results = []
     with Generator(model_dir, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, tree_nodes=nodes,
-                   precision=precision, verbose=verbose) as gen:
-        for piece, _ in gen.stream(prompt, max_tokens=n_predict, sampling=sp, speculative=nodes > 0,
+                   precision=precision, verbose=verbose, log=_say) as gen:
+        if gen.auto_choice:
+            _say(f"tree: {gen.shape.nodes} nodes (width {gen.shape.width}, {gen.shape.rounds} rounds), chosen for this "
+                 f"machine: expected {gen.auto_choice['expected_tokens_per_second']} tokens/s")
+        for piece, _ in gen.stream(prompt, max_tokens=n_predict, sampling=sp, speculative=gen.shape.nodes > 0,
                                    on_finish=results.append):
             if not as_json:
                 sys.stdout.write(piece)
@@ -184,13 +196,16 @@ def run(
     st = res.stats
     if as_json:
         obj = res.to_json()
-        obj.update({"tree_nodes": nodes, "prompt": prompt})
+        obj.update({"tree_nodes": gen.shape.nodes, "tree_shape": [gen.shape.nodes, gen.shape.width, gen.shape.rounds],
+                    "kernel": gen.kernel, "prompt": prompt})
+        if gen.auto_choice:
+            obj["auto"] = gen.auto_choice
         _print_json(obj)
         return
     print()
     gen_s = st.total_seconds - st.prompt_seconds
     print(f"{len(res.tokens)} tokens in {gen_s:.2f} s: {st.tokens_per_second:.2f} tokens/s, "
-          f"{st.tokens_per_verify:.2f} tokens/verify ({st.n_verify} verifier passes, tree {nodes}); "
+          f"{st.tokens_per_verify:.2f} tokens/verify ({st.n_verify} verifier passes, tree {gen.shape.nodes}); "
           f"draft {st.draft_seconds:.2f} s, verify {st.verify_seconds:.2f} s (residual {st.residual_seconds:.2f} s); "
           f"prompt {st.n_prompt} tokens in {st.prompt_seconds:.2f} s", file=sys.stderr)
 
@@ -203,7 +218,7 @@ def serve(
     port: int = typer.Option(8000, "--port"),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id in the API (default: the directory's name)."),
     n_ctx: int = typer.Option(4096, "--n-ctx"),
-    tree_nodes: str = typer.Option("16", "--tree-nodes"),
+    tree_nodes: str = typer.Option("auto", "--tree-nodes"),
     n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl"),
     threads: Optional[int] = typer.Option(None, "--threads", "-t"),
 ) -> None:
@@ -229,7 +244,7 @@ def chat(
     temp: float = typer.Option(0.7, "--temp"),
     n_predict: int = typer.Option(512, "-n", "--n-predict", help="Tokens per reply at most."),
     n_ctx: int = typer.Option(4096, "--n-ctx"),
-    tree_nodes: str = typer.Option("16", "--tree-nodes"),
+    tree_nodes: str = typer.Option("auto", "--tree-nodes"),
     n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl"),
     threads: Optional[int] = typer.Option(None, "--threads", "-t"),
     seed: Optional[int] = typer.Option(None, "--seed"),
@@ -275,6 +290,87 @@ def chat(
                       file=sys.stderr)
     finally:
         llm.close()
+
+
+@app.command()
+@handles_errors
+def bench(
+    model_dir: Path = typer.Argument(..., help="A split model directory."),
+    vs: Path = typer.Option(..., "--vs", help="The stock GGUF to compare with (e.g. the model's Q8_0)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts, one per line or a JSON list (default: 12 built in)."),
+    n_predict: int = typer.Option(128, "-n", "--n-predict"),
+    temp: float = typer.Option(0.0, "--temp"),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+    repeat: int = typer.Option(1, "--repeat"),
+    tree_nodes: str = typer.Option("auto", "--tree-nodes"),
+    kernel: Optional[str] = typer.Option(None, "--kernel", help="Native kernel family for decode passes (default: by tree size)."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of the runs."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON line."),
+) -> None:
+    """Stock llama.cpp (--vs) against bitsplit on the same prompts, interleaved: tokens/s, ratio, time split."""
+    from .bench import load_prompts, plot, run_bench
+
+    if threads is not None and threads < 1:
+        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
+    rep = run_bench(model_dir, vs, prompts=load_prompts(prompts), n_predict=n_predict, temp=temp, threads=threads,
+                    repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
+                    log=None if quiet or as_json else _say)
+    s = rep.summary()
+    if plot_path is not None:
+        plot(rep, plot_path)
+    if as_json:
+        _print_json(s)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{model_dir} vs {vs.name}: {s['runs']} runs of {n_predict} tokens, temp {temp}, {s['threads']} threads")
+    t.add_column("")
+    t.add_column("stock llama.cpp", justify="right")
+    t.add_column("bitsplit", justify="right")
+    t.add_row("tokens/s (median)", f"{s['vs_tokens_per_second']:.2f}", f"{s['tokens_per_second']:.2f}")
+    t.add_row("ratio", "1.00", f"{s['speedup_vs']:.2f}x (median of pairs {s['median_pair_ratio']:.2f}x)")
+    t.add_row("tokens per verify", "1", f"{s['accepted_per_verify']:.2f}")
+    t.add_row("tree (nodes, width, rounds)", "-", str(s["tree_shape"]))
+    t.add_row("peak RSS", _fmt_bytes(s["vs_peak_rss_bytes"]), _fmt_bytes(s["peak_rss_bytes"]))
+    ts = s["time_split"]
+    t.add_row("time: draft / verify / other", "-",
+              f"{100 * ts['draft']:.0f}% / {100 * ts['verify']:.0f}% / {100 * ts['other_python']:.0f}%")
+    t.add_row("residual pass", "-", f"{100 * ts['residual']:.0f}% of time, {s['residual_bytes_per_second'] / 1e9:.1f} GB/s "
+              f"= {100 * s['residual_bandwidth_use']:.0f}% of {s['memory_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s")
+    Console().print(t)
+
+
+@app.command()
+@handles_errors
+def plan(
+    model: str = typer.Argument(..., help="A GGUF file (any type: its shapes define the model) or a preset name."),
+    vram: float = typer.Option(..., "--vram", help="GPU memory in GB."),
+    gpu_bandwidth: float = typer.Option(1000.0, "--gpu-bandwidth", help="GPU memory bandwidth, GB/s."),
+    pcie: float = typer.Option(25.0, "--pcie", help="PCIe bandwidth, GB/s."),
+    ram_bandwidth: Optional[float] = typer.Option(None, "--ram-bandwidth", help="System RAM bandwidth, GB/s (default: measured here)."),
+    residual: str = typer.Option("q6_k", "--residual", help="Residual type to plan for: q6_k or q8_0."),
+    n_ctx: int = typer.Option(8192, "--n-ctx"),
+    tokens_per_verify: Optional[float] = typer.Option(None, "--tokens-per-verify", help="Tokens per verification (default 4.0)."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", help="Drafter passes per cycle (default 5)."),
+    cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="CPU cores computing the residual (default: this machine's)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Project what fits where and the tokens/s of bitsplit vs stock Q8_0 with partial offload (a projection).
+
+    MODEL is a GGUF file or a preset name (llama-3-70b, qwen2.5-32b, gemma-2-27b, qwen2.5-coder-1.5b)."""
+    from .plan import make_plan
+
+    for name, v in (("--tokens-per-verify", tokens_per_verify), ("--rounds", rounds), ("--cpu-cores", cpu_cores)):
+        if v is not None and v <= 0:
+            raise InvalidOptionError(f"{name}: {v} must be positive")
+    p = make_plan(str(model), vram_gb=vram, gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth, residual=residual,
+                  n_ctx=n_ctx, tokens_per_verify=tokens_per_verify, rounds=rounds, cores=cpu_cores)
+    if as_json:
+        _print_json(p)
+        return
+    print(p["text"])
 
 
 @app.command("eval")

@@ -72,6 +72,9 @@ class Stats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     residual_seconds: float = 0.0
+    residual_bytes: int = 0      # residual (and base) bytes read by the native products
+    draft_decode_seconds: float = 0.0   # inside llama_decode while drafting (the rest is Python)
+    verify_decode_seconds: float = 0.0  # inside llama_decode while verifying
     accept_hist: list[int] = field(default_factory=list)
 
     @property
@@ -91,6 +94,8 @@ class Stats:
             "n_drafted": self.n_drafted, "n_accepted": self.n_accepted,
             "prompt_seconds": round(self.prompt_seconds, 4), "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4), "residual_seconds": round(self.residual_seconds, 4),
+            "residual_bytes": self.residual_bytes, "draft_decode_seconds": round(self.draft_decode_seconds, 4),
+            "verify_decode_seconds": round(self.verify_decode_seconds, 4),
             "total_seconds": round(self.total_seconds, 4),
         }
 
@@ -117,6 +122,9 @@ class Engine:
         self.n_past = 0
         self.tokens: list[int] = []     # tokens in the verifier's KV, positions 0..n_past-1
         self._d_tokens: list[int] = []  # separate drafter: tokens in its KV
+        # when a list, counts of the verifier's token rank among the drafter's candidates at each
+        # verified node (index CANDIDATES_PER_NODE: not among them): the acceptance profile
+        self.rank_counts: list[int] | None = None
         self._junk_lane = _n_seq_max(self.ctx) - 1
         self._dummy_lane = _n_seq_max(self.ctx) - 2
         self.reset()  # the engine owns the KV state from here on
@@ -194,6 +202,7 @@ class Engine:
         next_lane = 1
         with (_null() if sep else self.sm.drafting()):
             # the root (plus, for a separate drafter, the accepted tokens it has not seen yet)
+            td = time.perf_counter()
             if sep:
                 pend = self.tokens[len(self._d_tokens):] + [id_last]
                 start = len(self._d_tokens)
@@ -203,6 +212,7 @@ class Engine:
             else:
                 ctx.decode([id_last], [self.n_past])
                 row_of = {ROOT: 0}
+            stats.draft_decode_seconds += time.perf_counter() - td
             stats.n_draft_passes += 1
             frontier = [ROOT]
             for rnd in range(shape.rounds):
@@ -224,7 +234,9 @@ class Engine:
                         next_lane += 1
                 toks = [builder.tree.nodes[i].token for i in added]
                 pos = [self.n_past + builder.tree.nodes[i].depth for i in added]
+                td = time.perf_counter()
                 ctx.decode(toks, pos, seq_ids=[[lane_of[i]] for i in added])
+                stats.draft_decode_seconds += time.perf_counter() - td
                 stats.n_draft_passes += 1
                 row_of = {i: r for r, i in enumerate(added)}
                 frontier = added
@@ -242,11 +254,13 @@ class Engine:
         rows = len(tokens)
         for r in range(rows):  # row r is sequence 1 + r; every row sees the prefix
             self.ctx.seq_cp(0, 1 + r, -1, -1)
-        c0 = self.sm.residual.counters().seconds_inside
+        c0 = self.sm.residual.counters()
         with self.sm.verifying() as ctx:
+            td = time.perf_counter()
             ctx.decode(tokens, [self.n_past + d for d in depths], seq_ids=[[1 + q for q in s] for s in seen])
-            accepted, bonus, emitted = accept(tree, lambda row: draw(ctx.logits_ith(row), sp, rng))
-        stats.residual_seconds += self.sm.residual.counters().seconds_inside - c0
+            stats.verify_decode_seconds += time.perf_counter() - td
+            accepted, bonus, emitted = accept(tree, lambda row: self._draw_row(tree, ctx, row, sp, rng))
+        self._count_residual(c0, stats)
         # Keep the root and the accepted path (verifier-written) in sequence 0. A rejected row after
         # the last kept one is freed; one before it is parked in the junk sequence instead: a freed
         # cell would be refilled by a later position, and llama.cpp's attention visits cells in
@@ -278,18 +292,33 @@ class Engine:
         stats.verify_seconds += time.perf_counter() - t0
         return emitted
 
+    def _draw_row(self, tree: DraftTree, ctx, row: int, sp: SamplingParams, rng) -> int:
+        t = draw(ctx.logits_ith(row), sp, rng)
+        if self.rank_counts is not None:
+            cands = tree.cands.get(ROOT if row == 0 else row - 1)
+            if cands is not None:
+                self.rank_counts[cands.index(t) if t in cands else CANDIDATES_PER_NODE] += 1
+        return t
+
+    def _count_residual(self, before, stats: Stats) -> None:
+        after = self.sm.residual.counters()
+        stats.residual_seconds += after.seconds_inside - before.seconds_inside
+        stats.residual_bytes += (after.bytes_residual - before.bytes_residual) + (after.bytes_base - before.bytes_base)
+
     def _plain_step(self, id_last: int, sp: SamplingParams, rng, stats: Stats) -> list[int]:
         """One verifier step. A second, throw-away row keeps llama.cpp's attention on the path it
         takes for batches (one token alone may take a split-KV path with other float sums), so plain
         steps and tree steps compute exactly the same thing."""
         t0 = time.perf_counter()
-        c0 = self.sm.residual.counters().seconds_inside
+        c0 = self.sm.residual.counters()
         dummy = self._dummy_lane
         with self.sm.verifying() as ctx:
+            td = time.perf_counter()
             ctx.decode([id_last, id_last], [self.n_past, self.n_past], seq_ids=[[0], [dummy]], logits=[True, False])
+            stats.verify_decode_seconds += time.perf_counter() - td
             t = draw(ctx.logits_ith(0), sp, rng)
         self.ctx.seq_rm(dummy, -1, -1)
-        stats.residual_seconds += self.sm.residual.counters().seconds_inside - c0
+        self._count_residual(c0, stats)
         self.tokens.append(id_last)
         self.n_past += 1
         stats.n_verify += 1

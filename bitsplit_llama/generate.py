@@ -40,13 +40,33 @@ class Generator:
     """A split model ready to generate. ``tree_nodes=0`` decodes with the verifier alone."""
 
     def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_gpu_layers: int = 0, tree_nodes: int = 16, shape: TreeShape | None = None,
-                 precision: str = "auto", verbose: bool = False, n_batch: int = 512, kernel: str | None = None):
-        self.shape = shape or TreeShape.for_nodes(tree_nodes)
+                 n_gpu_layers: int = 0, tree_nodes: int | str = 16, shape: TreeShape | None = None,
+                 precision: str = "auto", verbose: bool = False, n_batch: int = 512, kernel: str | None = None,
+                 log=None):
+        auto = shape is None and tree_nodes == "auto"
+        if not auto and shape is None and not isinstance(tree_nodes, int):
+            raise InvalidOptionError(f"--tree-nodes: {tree_nodes!r} is neither 'auto' nor a non-negative integer")
+        self.shape = shape or (TreeShape(0, 1, 1) if auto else TreeShape.for_nodes(tree_nodes))
         self.shape.validate()
-        self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, self.shape.nodes + 1),
-                             n_seq_max=n_seq_max_for(self.shape), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+        room = TreeShape(24, 4, 10) if auto else self.shape  # the largest an automatic choice may use
+        self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, room.nodes + 8),
+                             n_seq_max=n_seq_max_for(room), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                              precision=precision, verbose=verbose)
+        self.auto_choice = None
+        if auto:
+            from . import autotree
+            from .gguf_file import GGUFFile
+
+            self.engine = Engine(self.sm, self.shape)
+            with GGUFFile(self.sm.residual.residual_path, role="residual") as rg:
+                fp = str(rg.kv.get("bitsplit.base_fingerprint", ""))
+            prof = autotree.load_or_measure(self, fp, self.sm.ctx.n_threads, log)
+            self.shape, best_tps, table = autotree.choose(prof)
+            fixed16 = next((r for r in table if (r[0].nodes, r[0].width, r[0].rounds) == (16, 4, 7)), None)
+            self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
+                                "expected_tokens_per_second": round(best_tps, 3),
+                                "expected_tokens_per_second_fixed16": round(fixed16[3], 3) if fixed16 else None,
+                                "rank_probs": prof.rank_probs}
         # plain steps carry two rows; tree passes 1 + nodes
         self.kernel = self.sm.residual.choose_decode_kernel(max(2, self.shape.nodes + 1), kernel)
         self.engine = Engine(self.sm, self.shape)

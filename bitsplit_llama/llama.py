@@ -51,7 +51,7 @@ def _make_class():
             n_batch: int = 512,
             n_threads: Optional[int] = None,
             n_gpu_layers: int = 0,
-            tree_nodes: int = 16,
+            tree_nodes: int | str = "auto",
             seed: int = llama_cpp.LLAMA_DEFAULT_SEED,
             chat_format: Optional[str] = None,
             chat_handler=None,
@@ -158,7 +158,7 @@ def _make_class():
                 # llama_cpp.Llama's callers read the context's tokens from input_ids[:n_tokens]
                 self.input_ids[:len(tokens)] = tokens
                 self.n_tokens = len(tokens)
-                for chunk in self._gen.engine.generate(tokens, max_tokens, sp, speculative=self.tree_nodes > 0,
+                for chunk in self._gen.engine.generate(tokens, max_tokens, sp, speculative=self._gen.shape.nodes > 0,
                                                        is_stop=self._gen.model.is_eog, stats=stats):
                     for t in chunk:
                         if self.n_tokens < len(self.input_ids):

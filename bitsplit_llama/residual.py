@@ -174,7 +174,9 @@ class Residual:
     def matmul(self, name: str, x: np.ndarray, with_base: bool = True) -> np.ndarray:
         """(W2 + R) . x (or R . x) for a 2-D weight, x of shape (n_cols, ne0): the callback's kernels
         on this context's own threads. Returns (n_cols, ne1) float32."""
-        info = {t[0]: t for t in self.tensors()}
+        if getattr(self, "_info", None) is None:
+            self._info = {t[0]: t for t in self.tensors()}
+        info = self._info
         if name not in info:
             raise InputError(f"{self.residual_path}: has no tensor '{name}'")
         ne = info[name][1]

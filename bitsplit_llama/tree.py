@@ -41,6 +41,8 @@ class DraftTree:
         self.root_token = root_token
         self.nodes: list[Node] = []
         self.root_children: list[int] = []
+        # the drafter's ranked candidates at nodes it expanded (ROOT included): for acceptance profiles
+        self.cands: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -86,6 +88,7 @@ class DraftTree:
             if n.parent not in remap:
                 continue  # cannot happen with non-increasing logp; defensive for hand-made trees
             remap[i] = out.add(n.token, remap[n.parent], n.logp)
+        out.cands = {remap[k]: v for k, v in self.cands.items() if k in remap}
         return out
 
     def leaves(self) -> list[int]:
@@ -95,15 +98,17 @@ class DraftTree:
         """The same tree with nodes in depth-first order, most probable child first: the chain the
         drafter believes in most comes first, so an accepted main chain is a prefix of the batch."""
         out = DraftTree(self.root_token)
+        remap = {ROOT: ROOT}
 
         def visit(i: int, parent: int) -> None:
             n = self.nodes[i]
-            j = out.add(n.token, parent, n.logp)
+            j = remap[i] = out.add(n.token, parent, n.logp)
             for c in sorted(n.children, key=lambda c: (-self.nodes[c].logp, c)):
                 visit(c, j)
 
         for c in sorted(self.root_children, key=lambda c: (-self.nodes[c].logp, c)):
             visit(c, ROOT)
+        out.cands = {remap[k]: v for k, v in self.cands.items() if k in remap}
         return out
 
     def layout(self) -> tuple[list[int], list[int], list[list[int]]]:
@@ -180,6 +185,7 @@ class TreeBuilder:
 
     def offer(self, node: int, tokens: Sequence[int], logps: Sequence[float]) -> None:
         base = 0.0 if node == ROOT else self.tree.nodes[node].logp
+        self.tree.cands[node] = [int(t) for t in tokens]
         for t, lp in zip(tokens, logps):
             self._seq += 1
             heapq.heappush(self._pool, _Cand(-(base + float(lp)), self._seq, int(t), node))

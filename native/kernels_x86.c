@@ -488,17 +488,25 @@ TGT_AVX512 static void unpack_row_bf16(enum ggml_type type, const uint8_t * row,
 TGT_AVX512 static void unpack_rowblock(const bs_job * job, int64_t r0, int64_t k0, int64_t n, uint16_t * abuf,
                                        uint16_t * rbuf, float * tmp) {
     const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
-    for (int64_t i = 0; i < BS_ROW_BLOCK; i++) {
-        if (i >= rows) {
-            for (int64_t kc = 0; kc < n / 32; kc++) {
-                memset(rbuf + (size_t)kc * TILE_WORDS + i * 32, 0, 64);
-                if (job->w2) memset(abuf + (size_t)kc * TILE_WORDS + i * 32, 0, 64);
+    /* chunk by chunk, all rows of a chunk together: one row across all of K would write lines 1 KB
+     * apart, which all fall into 4 of the 64 L1 sets and evict each other */
+    const int64_t ch = (n % QK == 0 && k0 % QK == 0) ? QK : 32;
+    for (int64_t c0 = 0; c0 < n; c0 += ch) {
+        const size_t off = (size_t)(c0 / 32) * TILE_WORDS;
+        for (int64_t i = 0; i < BS_ROW_BLOCK; i++) {
+            if (i >= rows) {
+                for (int64_t kc = 0; kc < ch / 32; kc++) {
+                    memset(rbuf + off + (size_t)kc * TILE_WORDS + i * 32, 0, 64);
+                    if (job->w2) memset(abuf + off + (size_t)kc * TILE_WORDS + i * 32, 0, 64);
+                }
+                continue;
             }
-            continue;
-        }
-        unpack_row_bf16(job->r_type, job->r + (size_t)(r0 + i) * job->r_row_bytes, k0, n, rbuf + i * 32, tmp);
-        if (job->w2) {
-            unpack_row_bf16(job->w2_type, job->w2 + (size_t)(r0 + i) * job->w2_row_bytes, k0, n, abuf + i * 32, tmp);
+            unpack_row_bf16(job->r_type, job->r + (size_t)(r0 + i) * job->r_row_bytes, k0 + c0, ch,
+                            rbuf + off + i * 32, tmp);
+            if (job->w2) {
+                unpack_row_bf16(job->w2_type, job->w2 + (size_t)(r0 + i) * job->w2_row_bytes, k0 + c0, ch,
+                                abuf + off + i * 32, tmp);
+            }
         }
     }
 }

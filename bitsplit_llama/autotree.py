@@ -1,0 +1,218 @@
+"""``--tree-nodes auto``: the draft tree that maximises expected tokens per second on this machine.
+
+Two measurements, cached per model (base fingerprint), machine (CPU model, threads) and version:
+
+- costs: the wall time of a drafter pass for 1, 2, 4 tokens and of a verifier pass for 2..25 rows,
+  each run with the kernel family a generation of that size would use (interpolated in between);
+- acceptance: over a short calibration run (greedy, built-in code and English prompts, a wide
+  tree), how often the verifier's token is the drafter's best, second, third, fourth candidate.
+
+Each candidate shape is then grown exactly as the engine grows trees, with those rank
+probabilities standing in for the drafter's, which gives its expected tokens per cycle
+(1 + the sum over nodes of the probability of reaching and accepting them) and its cost per cycle
+(drafter passes + one verifier pass). The best expected tokens/s wins, plain decoding included
+(the idea behind Sequoia's hardware-aware trees).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape
+from .sampling import SamplingParams
+from .tree import ROOT, TreeBuilder
+
+PROFILE_VERSION = 1
+VERIFY_BATCHES = (2, 3, 4, 5, 7, 9, 13, 17, 25)
+DRAFT_BATCHES = (1, 2, 4)
+CALIBRATION_PROMPTS = (
+    "def merge_sort(items):",
+    "import os\n\ndef list_python_files(root):",
+    "The water cycle describes how water",
+    "A good way to learn a new language is",
+)
+
+
+@dataclass
+class Profile:
+    verify_ms: dict[int, float]
+    draft_ms: dict[int, float]
+    rank_probs: list[float]  # P(verifier token = drafter's i-th candidate), i < CANDIDATES_PER_NODE
+    plain_ms: float
+
+    def verify(self, rows: int) -> float:
+        return _interp(self.verify_ms, rows)
+
+    def draft(self, batch: int) -> float:
+        return _interp(self.draft_ms, batch)
+
+
+def _interp(table: dict[int, float], x: int) -> float:
+    keys = sorted(table)
+    if x <= keys[0]:
+        return table[keys[0]]
+    for a, b in zip(keys, keys[1:]):
+        if a <= x <= b:
+            return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+    a, b = keys[-2], keys[-1]  # extrapolate from the last segment
+    return table[b] + (table[b] - table[a]) * (x - b) / (b - a)
+
+
+def _machine_key(threads: int) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    from . import __version__
+
+    return hashlib.sha256(f"{cpu}|{os.cpu_count()}|{threads}|{__version__}|{PROFILE_VERSION}".encode()).hexdigest()[:12]
+
+
+def cache_path(base_fingerprint: str, threads: int) -> Path:
+    from .fetch import cache_dir
+
+    return cache_dir() / "autotree" / f"{base_fingerprint[:16]}-{_machine_key(threads)}.json"
+
+
+def expected(shape: TreeShape, prof: Profile) -> tuple[float, float]:
+    """(expected tokens per cycle, expected seconds per cycle) of a shape under the profile."""
+    if shape.nodes == 0:
+        return 1.0, prof.plain_ms / 1000
+    lp = [math.log(max(p, 1e-9)) for p in prof.rank_probs]
+    b = TreeBuilder(0, shape.width, shape.nodes + shape.width * 2)
+    cost = prof.draft(1)  # the root
+    frontier = [ROOT]
+    next_id = 1
+    for rnd in range(shape.rounds):
+        for node in frontier:
+            b.offer(node, range(next_id, next_id + len(lp)), lp)
+            next_id += len(lp)
+        added = b.next_round()
+        if not added or rnd == shape.rounds - 1 or len(b.tree) >= shape.nodes + shape.width:
+            break
+        cost += prof.draft(len(added))
+        frontier = added
+    tree = b.tree.best(shape.nodes)
+    tokens = 1.0 + sum(math.exp(n.logp) for n in tree.nodes)
+    cost += prof.verify(1 + len(tree))
+    return tokens, cost / 1000
+
+
+def candidate_shapes(max_nodes: int = 24) -> list[TreeShape]:
+    shapes = [TreeShape(0, 1, 1)]
+    for nodes in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24):
+        if nodes > max_nodes:
+            break
+        for width in (1, 2, 3, 4):
+            for rounds in range(1, 11):
+                if width == 1 and rounds != nodes:
+                    continue  # chains: one round per node
+                if width * rounds < nodes or rounds > nodes:
+                    continue
+                shapes.append(TreeShape(nodes, width, rounds))
+    return shapes
+
+
+def choose(prof: Profile, max_nodes: int = 24) -> tuple[TreeShape, float, list[tuple[TreeShape, float, float, float]]]:
+    """The best shape, its expected tokens/s, and the table of every candidate
+    (shape, tokens per cycle, seconds per cycle, tokens/s), best first."""
+    rows = []
+    for shape in candidate_shapes(max_nodes):
+        tok, sec = expected(shape, prof)
+        rows.append((shape, tok, sec, tok / sec))
+    rows.sort(key=lambda r: -r[3])
+    return rows[0][0], rows[0][3], rows
+
+
+def _time_pass(sm, rows: int, verify: bool, n_past: int, reps: int = 3) -> float:
+    """Median ms of one pass of ``rows`` tokens after an ``n_past``-token prefix (all logits)."""
+    ts = []
+    for _ in range(reps):
+        sm.ctx.seq_rm(0, n_past, -1)
+        with (sm.verifying() if verify else sm.drafting()) as ctx:
+            t0 = time.perf_counter()
+            ctx.decode([100 + i for i in range(rows)], range(n_past, n_past + rows), logits=True)
+            ts.append(time.perf_counter() - t0)
+    sm.ctx.seq_rm(0, n_past, -1)
+    return 1000 * float(np.median(ts))
+
+
+def measure(gen, log: Callable[[str], None] | None = None) -> Profile:
+    """Measure the cost curves and the acceptance profile of a Generator's model on this machine."""
+    say = log or (lambda s: None)
+    sm = gen.sm
+    res = sm.residual
+    eng: Engine = gen.engine
+    eng.reset()
+    prompt = sm.model.tokenize(CALIBRATION_PROMPTS[0] * 4)
+    with sm.verifying() as ctx:
+        ctx.decode(prompt, range(len(prompt)), logits=False)
+    n_past = len(prompt)
+    saved = res.kernel
+    verify_ms = {}
+    try:
+        for rows in VERIFY_BATCHES:
+            # each size with the kernel family a generation of that size uses
+            res.choose_decode_kernel(rows)
+            verify_ms[rows] = _time_pass(sm, rows, True, n_past)
+        res.choose_decode_kernel(2)
+        plain_ms = _time_pass(sm, 2, True, n_past)
+    finally:
+        res.set_kernel(saved)
+    draft_ms = {b: _time_pass(sm, b, False, n_past) for b in DRAFT_BATCHES}
+    say("measured pass times: verify " + ", ".join(f"{k}:{v:.0f}" for k, v in verify_ms.items())
+        + " ms; draft " + ", ".join(f"{k}:{v:.0f}" for k, v in draft_ms.items()) + " ms")
+    eng.reset()
+    # acceptance: a wide tree over the calibration prompts
+    calib = Engine(sm, TreeShape(12, 4, 3))
+    calib.rank_counts = [0] * (CANDIDATES_PER_NODE + 1)
+    res.choose_decode_kernel(13)
+    try:
+        for p in CALIBRATION_PROMPTS:
+            for _ in calib.generate(sm.model.tokenize(p), 40, SamplingParams(), is_stop=sm.model.is_eog, stats=Stats()):
+                pass
+    finally:
+        res.set_kernel(saved)
+        calib.reset()
+    counts = calib.rank_counts
+    total = max(1, sum(counts))
+    rank_probs = [c / total for c in counts[:CANDIDATES_PER_NODE]]
+    say("acceptance by drafter rank: " + ", ".join(f"{100 * p:.0f}%" for p in rank_probs))
+    return Profile(verify_ms, draft_ms, rank_probs, plain_ms)
+
+
+def load_or_measure(gen, fingerprint: str, threads: int, log: Callable[[str], None] | None = None) -> Profile:
+    path = cache_path(fingerprint, threads)
+    if path.exists():
+        try:
+            d = json.loads(path.read_text())
+            return Profile({int(k): v for k, v in d["verify_ms"].items()}, {int(k): v for k, v in d["draft_ms"].items()},
+                           d["rank_probs"], d["plain_ms"])
+        except (OSError, ValueError, KeyError):
+            pass
+    if log:
+        log("--tree-nodes auto: measuring this machine and model once (cached in " + str(path.parent) + ")")
+    prof = measure(gen, log)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(prof)))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return prof

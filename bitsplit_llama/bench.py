@@ -1,0 +1,330 @@
+"""``bitsplit bench``: stock llama.cpp (one GGUF, plain decoding) against bitsplit, side by side.
+
+Each side runs in its own worker process (so each has its own peak RSS and neither disturbs the
+other's memory), with the same thread count; the parent sends them the same prompts interleaved
+A/B/A/B, one generation at a time, so machine drift cancels. Rates are generation rates: tokens
+after the first divided by the time after the first token (prompt processing is excluded on both
+sides). The machine's memory bandwidth is measured in the same run (a threaded numpy max-reduce
+over 1 GiB) to judge the residual pass.
+
+The stock side is ``llama_cpp.Llama`` as an app would use it, with one change: prompts are fed one
+token per batch (``n_batch=1``), because llama-cpp-python 0.3.36 built by GCC 12 crashes in its AMX
+kernels on multi-token batches (see README); generation itself is one token per step anyway.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import InputError, InvalidOptionError, NativeError
+
+DEFAULT_PROMPTS = [
+    "def quicksort(arr):",
+    "import numpy as np\n\ndef softmax(x):",
+    "class LinkedList:\n    def __init__(self):",
+    "# Read a CSV file and print the average of the second column\nimport csv\n",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    "from dataclasses import dataclass\n\n@dataclass\nclass Point:",
+    "def is_prime(n: int) -> bool:",
+    "The three most important ideas in computer science are",
+    "Write a short story about a lighthouse keeper who",
+    "Photosynthesis is the process by which",
+    "The main differences between TCP and UDP are",
+    "Once upon a time, in a village at the edge of the forest,",
+]
+
+
+def memory_bandwidth(threads: int, gib: float = 1.0, repeat: int = 3) -> float:
+    """Bytes/s streamed by a threaded numpy max-reduce over an array much larger than the caches."""
+    a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    parts = np.array_split(a, threads)
+    times = []
+    with cf.ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            list(pool.map(lambda p: float(np.maximum.reduce(p)), parts))
+            times.append(time.perf_counter() - t0)
+    del a, parts
+    return (int(gib * 2**30) // 4 * 4) / min(times)
+
+
+# -- workers ----------------------------------------------------------------------------------
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _worker(cfg: dict) -> None:
+    """Serve generation requests (JSON lines on stdin) for one side; answers on stdout."""
+    side = cfg["side"]
+    n_ctx, threads = int(cfg["n_ctx"]), int(cfg["threads"])
+    if side == "stock":
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=cfg["path"], n_ctx=n_ctx, n_batch=1, n_ubatch=1, n_threads=threads,
+                              n_threads_batch=threads, verbose=False)
+
+        def generate(req):
+            t_first = t_last = None
+            n = 0
+            for chunk in llm.create_completion(req["prompt"], max_tokens=req["n"], temperature=req["temp"],
+                                               seed=req["seed"], stream=True):
+                now = time.perf_counter()
+                if chunk["choices"][0]["text"] or chunk["choices"][0]["finish_reason"] is None:
+                    n += 1
+                    if t_first is None:
+                        t_first = now
+                    t_last = now
+            return n, t_first, t_last, {}
+    else:
+        from .generate import Generator
+        from .sampling import SamplingParams
+
+        gen = Generator(cfg["path"], n_ctx=n_ctx, n_threads=threads, tree_nodes=cfg["tree_nodes"],
+                        kernel=cfg.get("kernel"))
+
+        def generate(req):
+            sp = SamplingParams(temperature=req["temp"], seed=req["seed"])
+            t_first = t_last = None
+            n = 0
+            res = []
+            for _, toks in gen.stream(req["prompt"], max_tokens=req["n"], sampling=sp, on_finish=res.append):
+                now = time.perf_counter()
+                if toks:
+                    n += len(toks)
+                    if t_first is None:
+                        t_first = now
+                    t_last = now
+            st = res[0].stats if res else None
+            extra = st.to_json() if st else {}
+            extra["kernel"] = gen.kernel
+            extra["shape"] = [gen.shape.nodes, gen.shape.width, gen.shape.rounds]
+            return n, t_first, t_last, extra
+
+    print(json.dumps({"ready": True, "rss": _peak_rss()}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("quit"):
+            break
+        try:
+            n, t0, t1, extra = generate(req)
+            rate = (n - 1) / (t1 - t0) if n > 1 and t1 > t0 else 0.0
+            out = {"n": n, "seconds": (t1 - t0) if n > 1 else 0.0, "rate": rate, "extra": extra, "rss": _peak_rss()}
+        except Exception as exc:  # reported to the parent, which raises it with context
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(out), flush=True)
+
+
+class _Side:
+    def __init__(self, cfg: dict):
+        env = dict(os.environ)
+        pkg_root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads must not compete
+        self.name = cfg["side"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "bitsplit_llama.bench", "worker", json.dumps(cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        first = self._read()
+        if not first.get("ready"):
+            raise NativeError(f"{self.name} worker did not start: {first}")
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read()[-2000:] if self.proc.stderr else ""
+            last = [l for l in err.strip().splitlines() if l.strip()][-1:] or ["exited"]
+            raise NativeError(f"the {self.name} benchmark worker died: {last[0]}")
+        return json.loads(line)
+
+    def run(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        if "error" in out:
+            raise NativeError(f"{self.name} side failed: {out['error']}")
+        return out
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- the comparison ---------------------------------------------------------------------------
+
+@dataclass
+class BenchReport:
+    model_dir: str
+    vs: str
+    threads: int
+    n_predict: int
+    temp: float
+    tree_nodes: int | str
+    prompts: list[str]
+    rates: list[float] = field(default_factory=list)        # bitsplit, per run
+    vs_rates: list[float] = field(default_factory=list)     # stock, per run
+    per_prompt_ratio: list[float] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+    rss: int = 0
+    vs_rss: int = 0
+    bandwidth: float = 0.0
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        med = statistics.median(self.rates) if self.rates else 0.0
+        vmed = statistics.median(self.vs_rates) if self.vs_rates else 0.0
+        tot = {k: sum(s.get(k, 0) for s in self.stats) for k in
+               ("n_tokens", "n_verify", "draft_seconds", "verify_seconds", "residual_seconds", "residual_bytes",
+                "total_seconds", "prompt_seconds", "draft_decode_seconds", "verify_decode_seconds")}
+        gen = max(1e-9, tot["total_seconds"] - tot["prompt_seconds"])
+        other = gen - tot["draft_seconds"] - tot["verify_seconds"]
+        res_bps = tot["residual_bytes"] / tot["residual_seconds"] if tot["residual_seconds"] else 0.0
+        last = self.stats[-1] if self.stats else {}
+        return {
+            "model_dir": self.model_dir, "vs": self.vs, "threads": self.threads, "n_predict": self.n_predict,
+            "temp": self.temp, "prompts": len(self.prompts), "runs": len(self.rates),
+            "tokens_per_second": round(med, 3), "vs_tokens_per_second": round(vmed, 3),
+            "speedup_vs": round(med / vmed, 4) if vmed else 0.0,
+            "median_pair_ratio": round(statistics.median(self.per_prompt_ratio), 4) if self.per_prompt_ratio else 0.0,
+            "accepted_per_verify": round(tot["n_tokens"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
+            "tree_nodes": self.tree_nodes, "tree_shape": last.get("shape"), "kernel": last.get("kernel"),
+            "time_split": {"draft": round(tot["draft_seconds"] / gen, 4), "verify": round(tot["verify_seconds"] / gen, 4),
+                           "residual": round(tot["residual_seconds"] / gen, 4),
+                           "draft_python": round((tot["draft_seconds"] - tot["draft_decode_seconds"]) / gen, 4),
+                           "verify_python": round((tot["verify_seconds"] - tot["verify_decode_seconds"]) / gen, 4),
+                           "other_python": round(other / gen, 4)},
+            "peak_rss_bytes": self.rss, "vs_peak_rss_bytes": self.vs_rss,
+            "residual_bytes_per_second": round(res_bps), "memory_bandwidth_bytes_per_second": round(self.bandwidth),
+            "residual_bandwidth_use": round(res_bps / self.bandwidth, 4) if self.bandwidth else 0.0,
+            "seconds": round(self.seconds, 1),
+        }
+
+
+def load_prompts(path: str | os.PathLike[str] | None) -> list[str]:
+    if path is None:
+        return list(DEFAULT_PROMPTS)
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{p}: prompts file not found")
+    text = p.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+        prompts = [str(x) for x in data] if isinstance(data, list) else None
+    except json.JSONDecodeError:
+        prompts = None
+    if prompts is None:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise InputError(f"{p}: no prompts (one per line, or a JSON list of strings)")
+    return prompts
+
+
+def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, prompts: list[str] | None = None,
+              n_predict: int = 128, temp: float = 0.0, threads: int | None = None, repeat: int = 1,
+              tree_nodes: int | str = "auto", n_ctx: int = 2048, kernel: str | None = None,
+              log: Callable[[str], None] | None = None) -> BenchReport:
+    from .gguf_file import check_readable_file
+    from .modeldir import split_paths
+    from .runtime import default_threads
+
+    split_paths(model_dir)
+    check_readable_file(Path(vs), "--vs model")
+    if n_predict < 2:
+        raise InvalidOptionError(f"-n: {n_predict} is too small to measure a rate (at least 2)")
+    if repeat < 1:
+        raise InvalidOptionError(f"--repeat: {repeat} is not a positive integer")
+    if temp < 0:
+        raise InvalidOptionError(f"--temp: {temp} is negative")
+    threads = threads or default_threads()
+    prompts = prompts or list(DEFAULT_PROMPTS)
+    say = log or (lambda s: None)
+    t_start = time.monotonic()
+    rep = BenchReport(str(model_dir), str(vs), threads, n_predict, temp, tree_nodes, prompts)
+    say(f"starting workers ({threads} threads each): stock {Path(vs).name}, bitsplit {model_dir}")
+    stock = _Side({"side": "stock", "path": str(vs), "n_ctx": n_ctx, "threads": threads})
+    try:
+        bit = _Side({"side": "bitsplit", "path": str(model_dir), "n_ctx": n_ctx, "threads": threads,
+                     "tree_nodes": tree_nodes, "kernel": kernel})
+        try:
+            warm = {"prompt": prompts[0], "n": 8, "temp": temp, "seed": 1}
+            stock.run(warm)
+            bit.run(warm)
+            rep.bandwidth = memory_bandwidth(threads)
+            for r in range(repeat):
+                for i, prompt in enumerate(prompts):
+                    req = {"prompt": prompt, "n": n_predict, "temp": temp, "seed": 1000 * r + i}
+                    a = stock.run(req)
+                    b = bit.run(req)
+                    rep.vs_rates.append(a["rate"])
+                    rep.rates.append(b["rate"])
+                    rep.stats.append(b["extra"])
+                    if a["rate"]:
+                        rep.per_prompt_ratio.append(b["rate"] / a["rate"])
+                    rep.vs_rss, rep.rss = a["rss"], b["rss"]
+                    say(f"[{r * len(prompts) + i + 1}/{repeat * len(prompts)}] stock {a['rate']:.2f} tok/s, "
+                        f"bitsplit {b['rate']:.2f} tok/s ({b['extra'].get('accepted_per_verify', 0):.2f} tokens/verify)")
+            rep.bandwidth = (rep.bandwidth + memory_bandwidth(threads)) / 2
+        finally:
+            bit.close()
+    finally:
+        stock.close()
+    rep.seconds = time.monotonic() - t_start
+    return rep
+
+
+def plot(rep: BenchReport, path: str | os.PathLike[str]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("--plot needs matplotlib (pip install 'bitsplit-llama[plot]')") from None
+    s = rep.summary()
+    n = len(rep.rates)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    x = np.arange(n)
+    ax1.bar(x - 0.2, rep.vs_rates, 0.4, label=f"stock llama.cpp ({Path(rep.vs).name})")
+    ax1.bar(x + 0.2, rep.rates, 0.4, label=f"bitsplit (tree {s['tree_shape']}, {s['kernel']})")
+    ax1.set_xlabel("run (prompt)")
+    ax1.set_ylabel("tokens/s")
+    ax1.set_title(f"{Path(rep.model_dir).name}: {rep.n_predict} tokens, temp {rep.temp}, {rep.threads} threads")
+    ax1.legend(fontsize=8)
+    ax2.bar(["stock", "bitsplit"], [s["vs_tokens_per_second"], s["tokens_per_second"]], color=["C0", "C1"])
+    ax2.set_title(f"median: {s['speedup_vs']:.2f}x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "worker":
+        _worker(json.loads(sys.argv[2]))
+    else:
+        print("internal: python -m bitsplit_llama.bench worker CONFIG", file=sys.stderr)
+        sys.exit(2)

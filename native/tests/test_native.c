@@ -1,0 +1,1525 @@
+/*
+ * Standalone test of the native residual library (C11): loading, every kernel family against an
+ * independent reference, counters, the eval callback's replace/add paths on real ggml CPU tensors,
+ * and refusal of corrupted residual (and base) files, generated here from the valid split.
+ *
+ *   test_native MODEL_DIR [options]      MODEL_DIR holds base.gguf and residual.gguf
+ *     --bad FILE     a residual that must be refused (repeatable)
+ *     --any FILE     a residual that may load or be refused, but must not crash (repeatable)
+ *     --flips N      random header mutations to try (default 1500)
+ *     --seed N       seed of the random mutations (default 1)
+ *     --work DIR     where corrupted copies are written (default: a fresh dir under $TMPDIR or /tmp)
+ *     --quick        fewer kernel configurations (threads 1 only)
+ *     -v             verbose: ggml's log, per-case lines and measured error ratios
+ *
+ * Built by native/tests/run_sanitizers.sh with ASan/UBSan; with -DBS_TEST_MALLOC_MAP (and
+ * -Wl,--wrap=mmap,--wrap=munmap) the library's read-only file maps become exact-size heap copies,
+ * so ASan sees any read past the end of a residual or base file (it cannot see into mmap'd pages).
+ * Prints one summary line; exits 1 on any failure.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bitsplit.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "gguf.h"
+
+/* ---------------------------------------------------------------------------------------------
+ * bookkeeping
+ * ------------------------------------------------------------------------------------------- */
+
+static long g_checks, g_failures;
+static bool g_verbose;
+static int g_fail_lines;
+
+#define CHECK(cond, ...)                                    \
+    do {                                                    \
+        g_checks++;                                         \
+        if (!(cond)) {                                      \
+            fail_at(__FILE__, __LINE__, #cond, __VA_ARGS__); \
+        }                                                   \
+    } while (0)
+
+static void fail_at(const char * file, int line, const char * cond, const char * fmt, ...) {
+    g_failures++;
+    if (++g_fail_lines > 60) {
+        if (g_fail_lines == 61) fprintf(stderr, "FAIL: (further failures not printed)\n");
+        return;
+    }
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "FAIL %s:%d: %s [%s]\n", file, line, msg, cond);
+}
+
+static void vlog(const char * fmt, ...) {
+    if (!g_verbose) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+}
+
+static void quiet_log(enum ggml_log_level level, const char * text, void * ud) {
+    (void)level;
+    (void)ud;
+    if (g_verbose) fputs(text, stderr);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void) { /* xorshift64* */
+    g_rng ^= g_rng >> 12;
+    g_rng ^= g_rng << 25;
+    g_rng ^= g_rng >> 27;
+    return g_rng * 2685821657736338717ull;
+}
+
+static int count_fds(void) {
+    DIR * d = opendir("/proc/self/fd");
+    if (d == NULL) return -1;
+    int n = 0;
+    while (readdir(d) != NULL) n++;
+    closedir(d);
+    return n;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * test build only: the library's read-only maps as exact-size heap copies (see the header)
+ * ------------------------------------------------------------------------------------------- */
+
+#ifdef BS_TEST_MALLOC_MAP
+void * __real_mmap(void * addr, size_t len, int prot, int flags, int fd, off_t off);
+int __real_munmap(void * addr, size_t len);
+
+#define MAX_HEAP_MAPS 64
+static struct {
+    void * p;
+    size_t n;
+} g_maps[MAX_HEAP_MAPS];
+static pthread_mutex_t g_maps_lock = PTHREAD_MUTEX_INITIALIZER;
+static long g_maps_live;
+
+void * __wrap_mmap(void * addr, size_t len, int prot, int flags, int fd, off_t off) {
+    if (addr != NULL || prot != PROT_READ || fd < 0 || off != 0 || len == 0) {
+        return __real_mmap(addr, len, prot, flags, fd, off);
+    }
+    unsigned char * p = malloc(len);
+    if (p == NULL) {
+        errno = ENOMEM;
+        return MAP_FAILED;
+    }
+    size_t got = 0;
+    while (got < len) {
+        ssize_t r = pread(fd, p + got, len - got, (off_t)got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) { /* a mapping past the end of the file would fault on access: refuse instead */
+            free(p);
+            errno = EIO;
+            return MAP_FAILED;
+        }
+        got += (size_t)r;
+    }
+    pthread_mutex_lock(&g_maps_lock);
+    int slot = -1;
+    for (int i = 0; i < MAX_HEAP_MAPS; i++) {
+        if (g_maps[i].p == NULL) {
+            slot = i;
+            break;
+        }
+    }
+    if (slot < 0) {
+        pthread_mutex_unlock(&g_maps_lock);
+        free(p);
+        errno = ENOMEM;
+        return MAP_FAILED;
+    }
+    g_maps[slot].p = p;
+    g_maps[slot].n = len;
+    g_maps_live++;
+    pthread_mutex_unlock(&g_maps_lock);
+    return p;
+}
+
+int __wrap_munmap(void * addr, size_t len) {
+    pthread_mutex_lock(&g_maps_lock);
+    for (int i = 0; i < MAX_HEAP_MAPS; i++) {
+        if (g_maps[i].p == addr && addr != NULL) {
+            const size_t n = g_maps[i].n;
+            g_maps[i].p = NULL;
+            g_maps_live--;
+            pthread_mutex_unlock(&g_maps_lock);
+            CHECK(n == len, "munmap of a heap map with length %zu, mapped with %zu", len, n);
+            free(addr);
+            return 0;
+        }
+    }
+    pthread_mutex_unlock(&g_maps_lock);
+    return __real_munmap(addr, len);
+}
+static long live_maps(void) { return g_maps_live; }
+#else
+static long live_maps(void) { return 0; }
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * files and an independent GGUF header walker (valid files only: locates fields to corrupt and
+ * tensor data for the reference)
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    size_t len_pos, key_pos;
+    uint64_t key_len;
+    size_t type_pos;
+    uint32_t type;
+    size_t val_pos; /* strings: position of the length */
+    char key[128];
+} kv_at;
+
+typedef struct {
+    size_t len_pos, name_pos;
+    uint64_t name_len;
+    char name[GGML_MAX_NAME];
+    size_t ndims_pos, dims_pos, type_pos, off_pos;
+    uint32_t n_dims, type;
+    int64_t ne[4];
+    uint64_t off;
+    size_t abs, nbytes;
+} ti_at;
+
+typedef struct {
+    char path[PATH_MAX];
+    uint8_t * b;
+    size_t n;
+    uint32_t version;
+    uint64_t n_tensors, n_kv;
+    kv_at * kv;
+    ti_at * ti;
+    size_t header_end, data_offset, alignment;
+} gfile;
+
+static uint8_t * read_all(const char * path, size_t * n) {
+    FILE * f = fopen(path, "rb");
+    if (f == NULL) return NULL;
+    uint8_t * b = NULL;
+    if (fseek(f, 0, SEEK_END) == 0) {
+        long sz = ftell(f);
+        if (sz > 0 && fseek(f, 0, SEEK_SET) == 0) {
+            b = malloc((size_t)sz);
+            if (b != NULL && fread(b, 1, (size_t)sz, f) != (size_t)sz) {
+                free(b);
+                b = NULL;
+            }
+            *n = (size_t)sz;
+        }
+    }
+    fclose(f);
+    return b;
+}
+
+static bool write_all(const char * path, const uint8_t * b, size_t n) {
+    FILE * f = fopen(path, "wb");
+    if (f == NULL) return false;
+    bool ok = fwrite(b, 1, n, f) == n;
+    return (fclose(f) == 0) && ok;
+}
+
+typedef struct {
+    const uint8_t * b;
+    size_t n, pos;
+    bool ok;
+} rd;
+
+static uint64_t rd_n(rd * r, int bytes) {
+    if (!r->ok || r->pos + (size_t)bytes > r->n) {
+        r->ok = false;
+        return 0;
+    }
+    uint64_t v = 0;
+    memcpy(&v, r->b + r->pos, (size_t)bytes); /* little-endian host */
+    r->pos += (size_t)bytes;
+    return v;
+}
+
+static void rd_skip(rd * r, uint64_t n) {
+    if (!r->ok || n > r->n - r->pos) {
+        r->ok = false;
+        return;
+    }
+    r->pos += (size_t)n;
+}
+
+static int scalar_size(uint32_t t) {
+    static const int sz[] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+    return t < 13 ? sz[t] : -1;
+}
+
+static void skip_value(rd * r, uint32_t t, int depth) {
+    if (t == GGUF_TYPE_STRING) {
+        rd_skip(r, rd_n(r, 8));
+    } else if (t == GGUF_TYPE_ARRAY) {
+        const uint32_t sub = (uint32_t)rd_n(r, 4);
+        const uint64_t cnt = rd_n(r, 8);
+        if (depth > 2) {
+            r->ok = false;
+            return;
+        }
+        for (uint64_t i = 0; i < cnt && r->ok; i++) skip_value(r, sub, depth + 1);
+    } else if (scalar_size(t) > 0) {
+        rd_skip(r, (uint64_t)scalar_size(t));
+    } else {
+        r->ok = false;
+    }
+}
+
+static bool gfile_open(gfile * f, const char * path) {
+    memset(f, 0, sizeof(*f));
+    snprintf(f->path, sizeof(f->path), "%s", path);
+    f->b = read_all(path, &f->n);
+    if (f->b == NULL) {
+        fprintf(stderr, "test_native: cannot read %s\n", path);
+        return false;
+    }
+    rd r = {f->b, f->n, 0, true};
+    if (rd_n(&r, 4) != 0x46554747u) return false;
+    f->version = (uint32_t)rd_n(&r, 4);
+    f->n_tensors = rd_n(&r, 8);
+    f->n_kv = rd_n(&r, 8);
+    if (!r.ok || f->n_tensors > 100000 || f->n_kv > 100000) return false;
+    f->kv = calloc(f->n_kv + 1, sizeof(kv_at));
+    f->ti = calloc(f->n_tensors + 1, sizeof(ti_at));
+    if (f->kv == NULL || f->ti == NULL) return false;
+    f->alignment = 32;
+    for (uint64_t i = 0; i < f->n_kv && r.ok; i++) {
+        kv_at * k = &f->kv[i];
+        k->len_pos = r.pos;
+        k->key_len = rd_n(&r, 8);
+        k->key_pos = r.pos;
+        rd_skip(&r, k->key_len);
+        if (!r.ok) break;
+        snprintf(k->key, sizeof(k->key), "%.*s", (int)(k->key_len < 127 ? k->key_len : 127), (const char *)f->b + k->key_pos);
+        k->type_pos = r.pos;
+        k->type = (uint32_t)rd_n(&r, 4);
+        k->val_pos = r.pos;
+        if (strcmp(k->key, "general.alignment") == 0 && k->type == GGUF_TYPE_UINT32) {
+            uint32_t a;
+            memcpy(&a, f->b + r.pos, 4);
+            f->alignment = a;
+        }
+        skip_value(&r, k->type, 0);
+    }
+    for (uint64_t i = 0; i < f->n_tensors && r.ok; i++) {
+        ti_at * t = &f->ti[i];
+        t->len_pos = r.pos;
+        t->name_len = rd_n(&r, 8);
+        t->name_pos = r.pos;
+        if (t->name_len >= GGML_MAX_NAME) return false;
+        rd_skip(&r, t->name_len);
+        if (!r.ok) break;
+        memcpy(t->name, f->b + t->name_pos, t->name_len);
+        t->name[t->name_len] = '\0';
+        t->ndims_pos = r.pos;
+        t->n_dims = (uint32_t)rd_n(&r, 4);
+        if (t->n_dims < 1 || t->n_dims > 4) return false;
+        t->dims_pos = r.pos;
+        for (int d = 0; d < 4; d++) t->ne[d] = d < (int)t->n_dims ? (int64_t)rd_n(&r, 8) : 1;
+        t->type_pos = r.pos;
+        t->type = (uint32_t)rd_n(&r, 4);
+        t->off_pos = r.pos;
+        t->off = rd_n(&r, 8);
+    }
+    if (!r.ok || f->alignment == 0) return false;
+    f->header_end = r.pos;
+    f->data_offset = (r.pos + f->alignment - 1) / f->alignment * f->alignment;
+    for (uint64_t i = 0; i < f->n_tensors; i++) {
+        ti_at * t = &f->ti[i];
+        if (t->type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type)t->type) <= 0) return false;
+        t->abs = f->data_offset + t->off;
+        t->nbytes = ggml_row_size((enum ggml_type)t->type, t->ne[0]) * (size_t)(t->ne[1] * t->ne[2] * t->ne[3]);
+        if (t->abs > f->n || t->nbytes > f->n - t->abs) return false;
+    }
+    return true;
+}
+
+static void gfile_close(gfile * f) {
+    free(f->b);
+    free(f->kv);
+    free(f->ti);
+    memset(f, 0, sizeof(*f));
+}
+
+static const ti_at * find_ti(const gfile * f, const char * name) {
+    for (uint64_t i = 0; i < f->n_tensors; i++) {
+        if (strcmp(f->ti[i].name, name) == 0) return &f->ti[i];
+    }
+    return NULL;
+}
+
+static const kv_at * find_kv(const gfile * f, const char * key) {
+    for (uint64_t i = 0; i < f->n_kv; i++) {
+        if (strcmp(f->kv[i].key, key) == 0) return &f->kv[i];
+    }
+    return NULL;
+}
+
+static void deq_row(enum ggml_type t, const void * src, float * dst, int64_t k) {
+    if (t == GGML_TYPE_F32) {
+        memcpy(dst, src, (size_t)k * sizeof(float));
+    } else {
+        ggml_get_type_traits(t)->to_float(src, dst, k);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * the model: residual tensors with their dequantized weights (reference)
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const ti_at * r;
+    const ti_at * b;
+    int64_t K, N, E; /* row width, rows per matrix, matrices (experts) */
+    float * w;       /* f32(W2) + f32(R), E*N rows of K */
+    float * ronly;   /* f32(R) */
+} mtensor;
+
+typedef struct {
+    char dir[PATH_MAX], base_path[PATH_MAX], res_path[PATH_MAX];
+    gfile base, res;
+    mtensor * t;
+    int nt;
+} model;
+
+static bool model_open(model * m, const char * dir) {
+    memset(m, 0, sizeof(*m));
+    snprintf(m->dir, sizeof(m->dir), "%s", dir);
+    snprintf(m->base_path, sizeof(m->base_path), "%s/base.gguf", dir);
+    snprintf(m->res_path, sizeof(m->res_path), "%s/residual.gguf", dir);
+    if (!gfile_open(&m->base, m->base_path) || !gfile_open(&m->res, m->res_path)) {
+        fprintf(stderr, "test_native: %s: not a readable split (base.gguf + residual.gguf)\n", dir);
+        return false;
+    }
+    m->nt = (int)m->res.n_tensors;
+    m->t = calloc((size_t)m->nt + 1, sizeof(mtensor));
+    if (m->t == NULL) return false;
+    for (int i = 0; i < m->nt; i++) {
+        mtensor * t = &m->t[i];
+        t->r = &m->res.ti[i];
+        t->b = find_ti(&m->base, t->r->name);
+        if (t->b == NULL) {
+            fprintf(stderr, "test_native: residual tensor %s not in the base\n", t->r->name);
+            return false;
+        }
+        t->K = t->r->ne[0];
+        t->N = t->r->ne[1];
+        t->E = t->r->ne[2] * t->r->ne[3];
+        const int64_t rows = t->N * t->E;
+        t->w = malloc((size_t)(rows * t->K) * sizeof(float));
+        t->ronly = malloc((size_t)(rows * t->K) * sizeof(float));
+        float * tmp = malloc((size_t)t->K * sizeof(float));
+        if (t->w == NULL || t->ronly == NULL || tmp == NULL) {
+            free(tmp);
+            return false;
+        }
+        const size_t rrb = ggml_row_size((enum ggml_type)t->r->type, t->K);
+        const size_t brb = ggml_row_size((enum ggml_type)t->b->type, t->K);
+        for (int64_t row = 0; row < rows; row++) {
+            float * w = t->w + row * t->K;
+            float * ro = t->ronly + row * t->K;
+            deq_row((enum ggml_type)t->b->type, m->base.b + t->b->abs + (size_t)row * brb, w, t->K);
+            deq_row((enum ggml_type)t->r->type, m->res.b + t->r->abs + (size_t)row * rrb, ro, t->K);
+            for (int64_t k = 0; k < t->K; k++) w[k] += ro[k];
+        }
+        free(tmp);
+    }
+    return true;
+}
+
+static void model_close(model * m) {
+    for (int i = 0; i < m->nt; i++) {
+        free(m->t[i].w);
+        free(m->t[i].ronly);
+    }
+    free(m->t);
+    gfile_close(&m->base);
+    gfile_close(&m->res);
+}
+
+/* reference: y[c][r] = sum_k W[r][k] x[c][k] in double; A[c][r] = sum_k |W[r][k] x[c][k]| */
+static void reference(const float * W, int64_t K, int64_t N, const float * x, int64_t n_cols, double * y, double * A) {
+    for (int64_t c = 0; c < n_cols; c++) {
+        for (int64_t r = 0; r < N; r++) {
+            double s = 0, a = 0;
+            const float * w = W + r * K;
+            const float * xc = x + c * K;
+            for (int64_t k = 0; k < K; k++) {
+                const double p = (double)w[k] * (double)xc[k];
+                s += p;
+                a += fabs(p);
+            }
+            y[c * N + r] = s;
+            A[c * N + r] = a;
+        }
+    }
+}
+
+static void make_x(float * x, int64_t n, uint64_t seed) {
+    uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (int64_t i = 0; i < n; i++) {
+        s ^= s >> 12;
+        s ^= s << 25;
+        s ^= s >> 27;
+        const uint64_t v = s * 2685821657736338717ull;
+        float f = (float)((double)(v >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+        if (i % 97 == 5) f *= 16.0f;   /* outlier channels */
+        if (i % 89 == 7) f = 0.0f;
+        x[i] = f;
+    }
+}
+
+/* largest |y - ref| - (rel*A + abs); > 0 is a failure. *ratio: largest |y - ref| / A. */
+static double excess(const float * y, const double * ref, const double * A, int64_t n, double rel, double abs_tol,
+                     double * ratio, int64_t * where) {
+    double worst = -INFINITY;
+    double rmax = 0;
+    *where = -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(y[i])) {
+            *where = i;
+            *ratio = INFINITY;
+            return INFINITY;
+        }
+        const double d = fabs((double)y[i] - ref[i]);
+        const double e = d - (rel * A[i] + abs_tol);
+        if (e > worst) {
+            worst = e;
+            *where = i;
+        }
+        if (A[i] > 0 && d / A[i] > rmax) rmax = d / A[i];
+    }
+    *ratio = rmax;
+    return worst;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * API edge cases
+ * ------------------------------------------------------------------------------------------- */
+
+static void test_api_edges(const model * m, const char * work) {
+    char err[512];
+    bitsplit_ctx * ctx = (bitsplit_ctx *)0x1;
+    CHECK(bitsplit_ctx_load(NULL, m->base_path, &ctx, err, sizeof(err)) == BITSPLIT_E_INVALID, "NULL residual path");
+    CHECK(bitsplit_ctx_load(m->res_path, NULL, &ctx, err, sizeof(err)) == BITSPLIT_E_INVALID, "NULL base path");
+    CHECK(bitsplit_ctx_load(m->res_path, m->base_path, NULL, err, sizeof(err)) == BITSPLIT_E_INVALID, "NULL out");
+    err[0] = '\0';
+    int st = bitsplit_ctx_load("/nonexistent/residual.gguf", m->base_path, &ctx, err, sizeof(err));
+    CHECK(st == BITSPLIT_E_IO && ctx == NULL && err[0] != '\0', "missing residual: status %d", st);
+    st = bitsplit_ctx_load(m->res_path, "/nonexistent/base.gguf", &ctx, err, sizeof(err));
+    CHECK(st == BITSPLIT_E_IO && ctx == NULL, "missing base: status %d", st);
+    st = bitsplit_ctx_load(work, m->base_path, &ctx, err, sizeof(err));
+    CHECK(st == BITSPLIT_E_IO && ctx == NULL, "directory as residual: status %d", st);
+    st = bitsplit_ctx_load(m->res_path, m->base_path, &ctx, NULL, 0); /* no error buffer is fine */
+    CHECK(st == BITSPLIT_OK && ctx != NULL, "load without an error buffer: status %d", st);
+    bitsplit_ctx_free(ctx);
+    st = bitsplit_ctx_load("/nonexistent", m->base_path, &ctx, err, 1); /* 1-byte buffer */
+    CHECK(st == BITSPLIT_E_IO && err[0] == '\0', "1-byte error buffer");
+    /* the base given as residual: a GGUF, but not a bitsplit residual */
+    st = bitsplit_ctx_load(m->base_path, m->base_path, &ctx, err, sizeof(err));
+    CHECK(st == BITSPLIT_E_FORMAT && ctx == NULL, "base as residual: status %d", st);
+    /* residual as base: names are there, shapes too, types too (Q6_K/Q8_0/F16 readable) - refused
+     * or not, it must not crash; with a mismatching layout it must be refused */
+    st = bitsplit_ctx_load(m->res_path, m->res_path, &ctx, err, sizeof(err));
+    if (st == BITSPLIT_OK) bitsplit_ctx_free(ctx);
+    char empty[PATH_MAX];
+    snprintf(empty, sizeof(empty), "%s/empty.gguf", work);
+    CHECK(write_all(empty, (const uint8_t *)"", 0), "write %s", empty);
+    st = bitsplit_ctx_load(empty, m->base_path, &ctx, err, sizeof(err));
+    CHECK(st == BITSPLIT_E_FORMAT && ctx == NULL, "empty residual: status %d", st);
+    st = bitsplit_ctx_load(m->res_path, empty, &ctx, err, sizeof(err));
+    CHECK(st == BITSPLIT_E_FORMAT && ctx == NULL, "empty base: status %d", st);
+    unlink(empty);
+
+    bitsplit_ctx_free(NULL);
+    CHECK(bitsplit_ctx_n_tensors(NULL) == 0, "n_tensors(NULL)");
+    CHECK(bitsplit_ctx_tensor_info(NULL, 0, NULL, NULL, NULL, NULL) == BITSPLIT_E_INVALID, "tensor_info(NULL)");
+    CHECK(bitsplit_ctx_set_precision(NULL, 0) == BITSPLIT_E_INVALID, "set_precision(NULL)");
+    CHECK(bitsplit_ctx_set_mode(NULL, 0) == BITSPLIT_E_INVALID, "set_mode(NULL)");
+    CHECK(bitsplit_ctx_set_threads(NULL, 1) == BITSPLIT_E_INVALID, "set_threads(NULL)");
+    CHECK(bitsplit_ctx_set_kernel(NULL, "generic") == BITSPLIT_E_INVALID, "set_kernel(NULL)");
+    CHECK(bitsplit_ctx_take_error(NULL, err, sizeof(err)) == BITSPLIT_E_INVALID, "take_error(NULL)");
+    CHECK(strcmp(bitsplit_ctx_kernel(NULL), "") == 0, "kernel(NULL)");
+    CHECK(!bitsplit_ctx_get_enabled(NULL), "get_enabled(NULL)");
+    bitsplit_ctx_set_enabled(NULL, true);
+    bitsplit_ctx_get_counters(NULL, NULL);
+    bitsplit_ctx_reset_counters(NULL);
+    float x = 0, y = 0;
+    CHECK(bitsplit_ctx_matmul(NULL, "x", &x, 1, &y, true) == BITSPLIT_E_INVALID, "matmul(NULL)");
+    CHECK(bitsplit_eval_callback(NULL, true, NULL) == false, "callback(NULL, ask)");
+    CHECK(bitsplit_eval_callback(NULL, false, NULL) == true, "callback(NULL, !ask)");
+    for (int s = 0; s <= 8; s++) CHECK(bitsplit_status_str(s) != NULL && bitsplit_status_str(s)[0], "status_str(%d)", s);
+    CHECK(bitsplit_status_str(-5) != NULL, "status_str(-5)");
+    CHECK(bitsplit_kernel_name() != NULL && bitsplit_kernel_name()[0], "kernel_name");
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * loading a valid split, products of every family against the reference, counters
+ * ------------------------------------------------------------------------------------------- */
+
+static const char * const FAMILIES[] = {"generic", "avx512-bf16", "amx-bf16", "vnni-int24"};
+#define N_FAMILIES 4
+static bool g_family_ok[N_FAMILIES];
+static const int COLS[] = {1, 3, 17, 40};
+#define N_COLS 4
+#define MAX_COLS 40
+static double g_worst_ratio[N_FAMILIES][3]; /* measured |y-ref|/A per family and effective precision */
+
+static bool is_float_type(int t) {
+    return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
+}
+
+static int effective_precision(int prec, const mtensor * t) {
+    if (prec != BITSPLIT_PREC_AUTO) return prec;
+    return is_float_type((int)t->b->type) || is_float_type((int)t->r->type) ? BITSPLIT_PREC_F32 : BITSPLIT_PREC_BF16;
+}
+
+/* tolerances: F32 is the exact verifier (f32 sums); BF16 rounds weights and activations to 8-bit
+ * mantissas (products within 2^-7 relative), summed in f32 */
+static double rel_tol(int eff) { return eff == BITSPLIT_PREC_F32 ? 1e-5 : 1.0 / 64; }
+
+static void check_counters(bitsplit_ctx * ctx, const mtensor * t, int64_t n_cols, bool with_base, const char * what) {
+    bitsplit_counters c;
+    memset(&c, 0xff, sizeof(c));
+    bitsplit_ctx_get_counters(ctx, &c);
+    const uint64_t rb = (uint64_t)ggml_row_size((enum ggml_type)t->r->type, t->K) * (uint64_t)t->N;
+    const uint64_t bb = (uint64_t)ggml_row_size((enum ggml_type)t->b->type, t->K) * (uint64_t)t->N;
+    CHECK(c.n_products == (with_base ? 1u : 0u) && c.n_add_products == (with_base ? 0u : 1u),
+          "%s: counters products %" PRIu64 " add %" PRIu64, what, c.n_products, c.n_add_products);
+    CHECK(c.n_columns == (uint64_t)n_cols, "%s: counters columns %" PRIu64 " != %" PRId64, what, c.n_columns, n_cols);
+    CHECK(c.bytes_residual == rb, "%s: bytes_residual %" PRIu64 " != %" PRIu64, what, c.bytes_residual, rb);
+    CHECK(c.bytes_base == (with_base ? bb : 0), "%s: bytes_base %" PRIu64 " != %" PRIu64, what, c.bytes_base,
+          with_base ? bb : 0);
+    CHECK(c.n_get_rows == 0 && c.n_errors == 0, "%s: get_rows %" PRIu64 " errors %" PRIu64, what, c.n_get_rows,
+          c.n_errors);
+    CHECK(c.ns_inside < 600ull * 1000000000ull, "%s: ns_inside %" PRIu64, what, c.ns_inside);
+}
+
+static void test_products(bitsplit_ctx * ctx, const model * m, bool quick) {
+    float * x = malloc((size_t)MAX_COLS * 2048 * sizeof(float));
+    const size_t ycap = (size_t)MAX_COLS * 4096;
+    float * y = malloc(ycap * sizeof(float));
+    float * y17[N_FAMILIES];
+    float * ygen17 = malloc(ycap * sizeof(float)); /* generic's result at 17 columns, same precision */
+    double * ref = malloc(ycap * sizeof(double));
+    double * A = malloc(ycap * sizeof(double));
+    for (int f = 0; f < N_FAMILIES; f++) y17[f] = malloc(ycap * sizeof(float));
+    const int precs[3] = {BITSPLIT_PREC_AUTO, BITSPLIT_PREC_F32, BITSPLIT_PREC_BF16};
+    const int n_thr = quick ? 1 : 2;
+    long n_products = 0;
+
+    for (int ti = 0; ti < m->nt; ti++) {
+        const mtensor * t = &m->t[ti];
+        if (t->E != 1) continue; /* 2-D weights only (experts: see test_callback) */
+        if (t->K > 2048 || (size_t)t->N * MAX_COLS > ycap) {
+            vlog("  skipping %s (larger than this test's buffers)\n", t->r->name);
+            continue;
+        }
+        make_x(x, MAX_COLS * t->K, (uint64_t)ti + 1);
+        for (int wb = 1; wb >= 0; wb--) {
+            const bool with_base = wb == 1;
+            reference(with_base ? t->w : t->ronly, t->K, t->N, x, MAX_COLS, ref, A);
+            for (int pi = 0; pi < 3; pi++) {
+                const int eff = effective_precision(precs[pi], t);
+                CHECK(bitsplit_ctx_set_precision(ctx, precs[pi]) == BITSPLIT_OK, "set_precision");
+                for (int f = 0; f < N_FAMILIES; f++) {
+                    if (!g_family_ok[f]) continue;
+                    CHECK(bitsplit_ctx_set_kernel(ctx, FAMILIES[f]) == BITSPLIT_OK, "set_kernel %s", FAMILIES[f]);
+                    CHECK(strcmp(bitsplit_ctx_kernel(ctx), FAMILIES[f]) == 0, "kernel is %s, set %s",
+                          bitsplit_ctx_kernel(ctx), FAMILIES[f]);
+                    for (int thr = 1; thr <= n_thr; thr++) {
+                        CHECK(bitsplit_ctx_set_threads(ctx, thr) == BITSPLIT_OK, "set_threads %d", thr);
+                        /* 17 columns first: the baseline for batch and thread invariance */
+                        static const int order[N_COLS] = {2, 0, 1, 3};
+                        for (int oi = 0; oi < N_COLS; oi++) {
+                            const int nc = COLS[order[oi]];
+                            char what[256];
+                            snprintf(what, sizeof(what), "%s %s with_base=%d prec=%d family=%s threads=%d cols=%d",
+                                     m->dir, t->r->name, wb, precs[pi], FAMILIES[f], thr, nc);
+                            bitsplit_ctx_reset_counters(ctx);
+                            for (size_t i = 0; i < (size_t)nc * t->N; i++) y[i] = NAN;
+                            const int st = bitsplit_ctx_matmul(ctx, t->r->name, x, nc, y, with_base);
+                            n_products++;
+                            CHECK(st == BITSPLIT_OK, "%s: status %d", what, st);
+                            if (st != BITSPLIT_OK) continue;
+                            check_counters(ctx, t, nc, with_base, what);
+                            double ratio;
+                            int64_t where;
+                            const double ex = excess(y, ref, A, nc * t->N, rel_tol(eff), 1e-5, &ratio, &where);
+                            CHECK(ex <= 0, "%s: |y - ref| beyond tolerance at col %" PRId64 " row %" PRId64
+                                  ": y=%.9g ref=%.9g A=%.6g", what, where / t->N, where % t->N,
+                                  where >= 0 ? y[where] : 0.0, where >= 0 ? ref[where] : 0.0,
+                                  where >= 0 ? A[where] : 0.0);
+                            const int e = eff == BITSPLIT_PREC_F32 ? 1 : 2;
+                            if (nc <= 32 && ratio > g_worst_ratio[f][e]) g_worst_ratio[f][e] = ratio;
+                            if (nc == 17 && thr == 1) {
+                                memcpy(y17[f], y, (size_t)nc * t->N * sizeof(float));
+                                if (f == 0) memcpy(ygen17, y, (size_t)nc * t->N * sizeof(float));
+                            } else if (nc <= 32) {
+                                /* same family, fewer or more columns, other threads: bitwise equal */
+                                const int64_t cmp = (nc < 17 ? nc : 17) * t->N;
+                                CHECK(memcmp(y, y17[f], (size_t)cmp * sizeof(float)) == 0,
+                                      "%s: not batch/thread invariant (differs from 17 columns, 1 thread)", what);
+                            }
+                            if (nc == 17 && thr == 1 && f != 0 && g_family_ok[0]) {
+                                /* families against each other: same contract, rounding apart */
+                                double worst = 0;
+                                for (int64_t i = 0; i < 17 * t->N; i++) {
+                                    const double d = fabs((double)y[i] - (double)ygen17[i]) -
+                                                     (2 * rel_tol(eff) * A[i] + 2e-5);
+                                    if (d > worst) worst = d;
+                                }
+                                CHECK(worst <= 0, "%s: differs from the generic family beyond tolerance", what);
+                                if (eff == BITSPLIT_PREC_F32) { /* every family falls back to generic */
+                                    CHECK(memcmp(y, ygen17, (size_t)17 * t->N * sizeof(float)) == 0,
+                                          "%s: F32 precision not computed by the generic family", what);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            /* zero columns: nothing written, counted as a product of no columns */
+            CHECK(bitsplit_ctx_set_precision(ctx, BITSPLIT_PREC_AUTO) == BITSPLIT_OK, "set_precision");
+            y[0] = 12345.0f;
+            CHECK(bitsplit_ctx_matmul(ctx, t->r->name, x, 0, y, with_base) == BITSPLIT_OK && y[0] == 12345.0f,
+                  "%s: matmul with 0 columns", t->r->name);
+        }
+    }
+    /* names that are not 2-D residual tensors */
+    CHECK(bitsplit_ctx_matmul(ctx, "no.such.tensor", x, 1, y, true) == BITSPLIT_E_INVALID, "unknown tensor name");
+    CHECK(bitsplit_ctx_matmul(ctx, "", x, 1, y, true) == BITSPLIT_E_INVALID, "empty tensor name");
+    CHECK(bitsplit_ctx_matmul(ctx, m->t[0].r->name, x, -1, y, true) == BITSPLIT_E_INVALID, "negative columns");
+    CHECK(bitsplit_ctx_matmul(ctx, m->t[0].r->name, NULL, 1, y, true) == BITSPLIT_E_INVALID, "NULL x");
+    CHECK(bitsplit_ctx_matmul(ctx, m->t[0].r->name, x, 1, NULL, true) == BITSPLIT_E_INVALID, "NULL y");
+    for (int ti = 0; ti < m->nt; ti++) {
+        if (m->t[ti].E != 1) {
+            CHECK(bitsplit_ctx_matmul(ctx, m->t[ti].r->name, x, 1, y, true) == BITSPLIT_E_INVALID,
+                  "matmul on 3-D %s must be refused", m->t[ti].r->name);
+        }
+    }
+    CHECK(bitsplit_ctx_set_kernel(ctx, NULL) == BITSPLIT_OK && bitsplit_ctx_set_kernel(ctx, "") == BITSPLIT_OK,
+          "set_kernel(NULL/\"\") restores the default");
+    CHECK(bitsplit_ctx_set_threads(ctx, 1) == BITSPLIT_OK, "set_threads 1");
+    vlog("  %ld products on %s\n", n_products, m->dir);
+    for (int f = 0; f < N_FAMILIES; f++) free(y17[f]);
+    free(x);
+    free(y);
+    free(ygen17);
+    free(ref);
+    free(A);
+}
+
+static void test_valid_load(const model * m, bool quick) {
+    char err[512] = "";
+    bitsplit_ctx * ctx = NULL;
+    int st = bitsplit_ctx_load(m->res_path, m->base_path, &ctx, err, sizeof(err));
+    CHECK(st == BITSPLIT_OK && ctx != NULL, "%s: valid split refused: %s (%d)", m->dir, err, st);
+    if (ctx == NULL) return;
+    CHECK(bitsplit_ctx_n_tensors(ctx) == m->nt, "n_tensors %" PRId64 " != %d", bitsplit_ctx_n_tensors(ctx), m->nt);
+    for (int i = 0; i < m->nt; i++) {
+        const char * name = NULL;
+        int64_t ne[4];
+        int bt = -1, rt = -1;
+        CHECK(bitsplit_ctx_tensor_info(ctx, i, &name, ne, &bt, &rt) == BITSPLIT_OK, "tensor_info %d", i);
+        CHECK(name != NULL && strcmp(name, m->t[i].r->name) == 0, "tensor %d name", i);
+        CHECK(memcmp(ne, m->t[i].r->ne, sizeof(ne)) == 0, "tensor %d shape", i);
+        CHECK(bt == (int)m->t[i].b->type && rt == (int)m->t[i].r->type, "tensor %d types %d/%d", i, bt, rt);
+    }
+    CHECK(bitsplit_ctx_tensor_info(ctx, -1, NULL, NULL, NULL, NULL) == BITSPLIT_E_INVALID, "tensor_info(-1)");
+    CHECK(bitsplit_ctx_tensor_info(ctx, m->nt, NULL, NULL, NULL, NULL) == BITSPLIT_E_INVALID, "tensor_info(n)");
+    CHECK(bitsplit_ctx_tensor_info(ctx, 0, NULL, NULL, NULL, NULL) == BITSPLIT_OK, "tensor_info with NULL outputs");
+    CHECK(!bitsplit_ctx_get_enabled(ctx), "a fresh context is disabled");
+    CHECK(bitsplit_ctx_set_threads(ctx, 0) == BITSPLIT_E_INVALID && bitsplit_ctx_set_threads(ctx, 65) == BITSPLIT_E_INVALID,
+          "set_threads out of range");
+    CHECK(bitsplit_ctx_set_precision(ctx, -1) == BITSPLIT_E_INVALID && bitsplit_ctx_set_precision(ctx, 3) == BITSPLIT_E_INVALID,
+          "set_precision out of range");
+    CHECK(bitsplit_ctx_set_mode(ctx, 2) == BITSPLIT_E_INVALID && bitsplit_ctx_set_mode(ctx, -1) == BITSPLIT_E_INVALID,
+          "set_mode out of range");
+    const char * before = bitsplit_ctx_kernel(ctx);
+    CHECK(bitsplit_ctx_set_kernel(ctx, "no-such-family") == BITSPLIT_E_UNSUPPORTED, "unknown kernel family");
+    CHECK(strcmp(bitsplit_ctx_kernel(ctx), before) == 0, "a refused family leaves the kernel as it was");
+    CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_OK && err[0] == '\0', "no pending error");
+    for (int f = 0; f < N_FAMILIES; f++) {
+        st = bitsplit_ctx_set_kernel(ctx, FAMILIES[f]);
+        CHECK(st == BITSPLIT_OK || (st == BITSPLIT_E_UNSUPPORTED && f != 0), "set_kernel %s: %d", FAMILIES[f], st);
+        g_family_ok[f] = st == BITSPLIT_OK;
+    }
+    bitsplit_ctx_set_kernel(ctx, NULL);
+    test_products(ctx, m, quick);
+    bitsplit_ctx_free(ctx);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * the eval callback on real ggml CPU tensors (no graph compute: the custom op's function is called
+ * here the way ggml's CPU threads call it)
+ * ------------------------------------------------------------------------------------------- */
+
+struct custom_params { /* ggml-impl.h's struct ggml_custom_op_params */
+    ggml_custom_op_t fun;
+    int n_tasks;
+    void * userdata;
+};
+
+typedef struct {
+    struct ggml_tensor * t;
+    struct custom_params p;
+    int ith, nth;
+} op_thread;
+
+static void * op_thread_fn(void * arg) {
+    op_thread * a = arg;
+    a->p.fun(a->t, a->ith, a->nth, a->p.userdata);
+    return NULL;
+}
+
+/* run a mutated node's function on nth threads at once (its barriers need them concurrent) */
+static bool run_custom(struct ggml_tensor * t, int nth) {
+    if (t->op != GGML_OP_CUSTOM) return false;
+    op_thread a[8];
+    pthread_t th[8];
+    for (int i = 0; i < nth; i++) {
+        a[i].t = t;
+        memcpy(&a[i].p, t->op_params, sizeof(a[i].p));
+        a[i].ith = i;
+        a[i].nth = nth;
+    }
+    for (int i = 1; i < nth; i++) pthread_create(&th[i], NULL, op_thread_fn, &a[i]);
+    op_thread_fn(&a[0]);
+    for (int i = 1; i < nth; i++) pthread_join(th[i], NULL);
+    return true;
+}
+
+static const mtensor * pick(const model * m, bool experts, const char * prefer) {
+    if (prefer != NULL) {
+        for (int i = 0; i < m->nt; i++) {
+            if (strcmp(m->t[i].r->name, prefer) == 0 && (m->t[i].E > 1) == experts) return &m->t[i];
+        }
+    }
+    for (int i = 0; i < m->nt; i++) {
+        if ((m->t[i].E > 1) == experts && strncmp(m->t[i].r->name, "blk.", 4) == 0) return &m->t[i];
+    }
+    return NULL;
+}
+
+static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mtensor * mt, int n_cols) {
+    const int64_t K = mt->K, N = mt->N;
+    struct ggml_init_params ip = {.mem_size = 32 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_context * g = ggml_init(ip);
+    struct ggml_tensor * W = ggml_new_tensor_2d(g, (enum ggml_type)mt->b->type, K, N);
+    ggml_set_name(W, mt->r->name);
+    struct ggml_tensor * X = ggml_new_tensor_2d(g, GGML_TYPE_F32, K, n_cols);
+    struct ggml_tensor * Y = ggml_mul_mat(g, W, X);
+    struct ggml_tensor * Wf = ggml_new_tensor_2d(g, GGML_TYPE_F32, K, N); /* same name, other type */
+    ggml_set_name(Wf, mt->r->name);
+    struct ggml_tensor * Yf = ggml_mul_mat(g, Wf, X);
+    struct ggml_tensor * Wn = ggml_new_tensor_2d(g, (enum ggml_type)mt->b->type, K, N);
+    ggml_set_name(Wn, "not.a.residual.weight");
+    struct ggml_tensor * Yn = ggml_mul_mat(g, Wn, X);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(g, ggml_backend_cpu_buffer_type());
+    CHECK(buf != NULL, "allocating CPU tensors");
+    if (buf == NULL) {
+        ggml_free(g);
+        return;
+    }
+    ggml_backend_tensor_set(W, m->base.b + mt->b->abs, 0, ggml_nbytes(W));
+    float * x = malloc((size_t)(K * n_cols) * sizeof(float));
+    double * ref = malloc((size_t)(N * n_cols) * sizeof(double));
+    double * A = malloc((size_t)(N * n_cols) * sizeof(double));
+    float * y1 = malloc((size_t)(N * n_cols) * sizeof(float));
+    make_x(x, K * n_cols, 77);
+    ggml_backend_tensor_set(X, x, 0, ggml_nbytes(X));
+    char err[512];
+    char what[256];
+    snprintf(what, sizeof(what), "callback MUL_MAT %s cols=%d", mt->r->name, n_cols);
+
+    /* disabled: untouched */
+    bitsplit_ctx_set_enabled(ctx, false);
+    uint8_t params0[GGML_MAX_OP_PARAMS];
+    memcpy(params0, Y->op_params, sizeof(params0));
+    CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_MUL_MAT, "%s: disabled", what);
+
+    /* replace: the node becomes our custom op computing (W2 + R) . x */
+    bitsplit_ctx_set_enabled(ctx, true);
+    bitsplit_ctx_reset_counters(ctx);
+    const bool asked = bitsplit_eval_callback(Y, true, ctx);
+    CHECK(!asked && Y->op == GGML_OP_CUSTOM, "%s: not replaced (ask=%d, op=%s)", what, asked, ggml_op_name(Y->op));
+    reference(mt->w, K, N, x, n_cols, ref, A);
+    const int eff = effective_precision(BITSPLIT_PREC_AUTO, mt);
+    if (run_custom(Y, 1)) {
+        memcpy(y1, Y->data, (size_t)(N * n_cols) * sizeof(float));
+        double ratio;
+        int64_t where;
+        CHECK(excess(y1, ref, A, N * n_cols, rel_tol(eff), 1e-5, &ratio, &where) <= 0, "%s: replace result", what);
+        bitsplit_counters c;
+        bitsplit_ctx_get_counters(ctx, &c);
+        CHECK(c.n_products == 1 && c.n_columns == (uint64_t)n_cols && c.n_errors == 0, "%s: counters", what);
+        for (int nth = 2; nth <= 3; nth++) {
+            memset(Y->data, 0, ggml_nbytes(Y));
+            run_custom(Y, nth);
+            CHECK(memcmp(Y->data, y1, (size_t)(N * n_cols) * sizeof(float)) == 0, "%s: %d threads differ from 1", what,
+                  nth);
+        }
+        /* a reused graph: seen again while enabled, the node is restored and replaced afresh */
+        CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_CUSTOM, "%s: re-ask", what);
+    }
+    /* disabled again: the node gets its own op and params back */
+    bitsplit_ctx_set_enabled(ctx, false);
+    CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_MUL_MAT, "%s: not restored", what);
+    CHECK(memcmp(params0, Y->op_params, sizeof(params0)) == 0, "%s: op_params not restored", what);
+
+    /* add mode: observed, then R . x added to what the node holds */
+    bitsplit_ctx_set_enabled(ctx, true);
+    CHECK(bitsplit_ctx_set_mode(ctx, BITSPLIT_MODE_ADD) == BITSPLIT_OK, "set_mode add");
+    bitsplit_ctx_reset_counters(ctx);
+    memset(Y->data, 0, ggml_nbytes(Y));
+    CHECK(bitsplit_eval_callback(Y, true, ctx) == true && Y->op == GGML_OP_MUL_MAT, "%s: add mode must observe", what);
+    CHECK(bitsplit_eval_callback(Y, false, ctx) == true, "%s: add mode continues the graph", what);
+    reference(mt->ronly, K, N, x, n_cols, ref, A);
+    {
+        double ratio;
+        int64_t where;
+        CHECK(excess((const float *)Y->data, ref, A, N * n_cols, rel_tol(eff), 1e-5, &ratio, &where) <= 0,
+              "%s: add-mode result", what);
+        bitsplit_counters c;
+        bitsplit_ctx_get_counters(ctx, &c);
+        CHECK(c.n_add_products == 1 && c.n_products == 0 && c.n_errors == 0, "%s: add-mode counters", what);
+    }
+    CHECK(bitsplit_ctx_set_mode(ctx, BITSPLIT_MODE_AUTO) == BITSPLIT_OK, "set_mode auto");
+
+    /* a graph weight that does not match the residual: refused with a recorded error */
+    CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_OK, "%s: no error before mismatch", what);
+    CHECK(bitsplit_eval_callback(Yf, true, ctx) == false && Yf->op == GGML_OP_MUL_MAT, "%s: mismatch replaced", what);
+    const int st = bitsplit_ctx_take_error(ctx, err, sizeof(err));
+    CHECK(st == BITSPLIT_E_MISMATCH && strstr(err, mt->r->name) != NULL, "%s: mismatch error %d '%s'", what, st, err);
+    CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_OK, "%s: error cleared by take_error", what);
+    /* a weight without residual: left alone */
+    CHECK(bitsplit_eval_callback(Yn, true, ctx) == false && Yn->op == GGML_OP_MUL_MAT, "%s: unknown weight", what);
+    CHECK(bitsplit_eval_callback(Yn, false, ctx) == true, "%s: unknown weight, !ask", what);
+    CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_OK, "%s: unknown weight error", what);
+    bitsplit_ctx_set_enabled(ctx, false);
+
+    free(x);
+    free(ref);
+    free(A);
+    free(y1);
+    ggml_backend_buffer_free(buf);
+    ggml_free(g);
+}
+
+static void test_callback_get_rows(bitsplit_ctx * ctx, const model * m, const mtensor * mt) {
+    const int64_t K = mt->K, N = mt->N;
+    enum { NIDS = 6 };
+    struct ggml_init_params ip = {.mem_size = 16 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_context * g = ggml_init(ip);
+    struct ggml_tensor * W = ggml_new_tensor_2d(g, (enum ggml_type)mt->b->type, K, N);
+    ggml_set_name(W, mt->r->name);
+    struct ggml_tensor * ids = ggml_new_tensor_1d(g, GGML_TYPE_I32, NIDS);
+    struct ggml_tensor * R = ggml_get_rows(g, W, ids);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(g, ggml_backend_cpu_buffer_type());
+    CHECK(buf != NULL, "allocating CPU tensors");
+    if (buf == NULL) {
+        ggml_free(g);
+        return;
+    }
+    ggml_backend_tensor_set(W, m->base.b + mt->b->abs, 0, ggml_nbytes(W));
+    char err[512], what[256];
+    snprintf(what, sizeof(what), "callback GET_ROWS %s", mt->r->name);
+    for (int mode = 0; mode < 2; mode++) {
+        for (int bad = 0; bad < 2; bad++) {
+            int32_t idv[NIDS] = {0, 1, (int32_t)(N - 1), 7 % (int32_t)N, 3 % (int32_t)N, (int32_t)(N / 2)};
+            if (bad) {
+                idv[2] = (int32_t)N; /* one past the end */
+                idv[4] = -1;
+            }
+            ggml_backend_tensor_set(ids, idv, 0, sizeof(idv));
+            memset(R->data, 0, ggml_nbytes(R));
+            bitsplit_ctx_set_mode(ctx, mode ? BITSPLIT_MODE_ADD : BITSPLIT_MODE_AUTO);
+            bitsplit_ctx_set_enabled(ctx, true);
+            bitsplit_ctx_reset_counters(ctx);
+            if (mode == 0) {
+                CHECK(bitsplit_eval_callback(R, true, ctx) == false && R->op == GGML_OP_CUSTOM, "%s: not replaced", what);
+                run_custom(R, bad ? 1 : 2);
+            } else {
+                CHECK(bitsplit_eval_callback(R, true, ctx) == true && R->op == GGML_OP_GET_ROWS, "%s: add observes", what);
+                CHECK(bitsplit_eval_callback(R, false, ctx) == true, "%s: add continues", what);
+            }
+            const int st = bitsplit_ctx_take_error(ctx, err, sizeof(err));
+            CHECK(st == (bad ? BITSPLIT_E_INVALID : BITSPLIT_OK), "%s mode=%d bad=%d: status %d '%s'", what, mode, bad,
+                  st, err);
+            bitsplit_counters c;
+            bitsplit_ctx_get_counters(ctx, &c);
+            CHECK((c.n_errors > 0) == (bad == 1), "%s: n_errors %" PRIu64, what, c.n_errors);
+            if (!bad) {
+                CHECK(c.n_get_rows == 1, "%s: n_get_rows %" PRIu64, what, c.n_get_rows);
+                const float * rows = R->data;
+                for (int i = 0; i < NIDS; i++) {
+                    const float * want = (mode ? mt->ronly : mt->w) + (size_t)idv[i] * K;
+                    CHECK(memcmp(rows + (size_t)i * K, want, (size_t)K * sizeof(float)) == 0,
+                          "%s mode=%d: row %d (id %d) differs", what, mode, i, idv[i]);
+                }
+            }
+            bitsplit_ctx_set_enabled(ctx, false);
+            bitsplit_eval_callback(R, true, ctx); /* restore */
+            CHECK(R->op == GGML_OP_GET_ROWS, "%s: restored", what);
+        }
+    }
+    bitsplit_ctx_set_mode(ctx, BITSPLIT_MODE_AUTO);
+    ggml_backend_buffer_free(buf);
+    ggml_free(g);
+}
+
+/* experts: dst[:, i, t] = (W2_e + R_e) . x[:, i % ne11, t], e = ids[i, t] */
+static void test_callback_mul_mat_id(bitsplit_ctx * ctx, const model * m, const mtensor * mt) {
+    const int64_t K = mt->K, N = mt->N, E = mt->E;
+    enum { NUSED = 2, NTOK = 5 };
+    struct ggml_init_params ip = {.mem_size = 16 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_context * g = ggml_init(ip);
+    struct ggml_tensor * W = ggml_new_tensor_3d(g, (enum ggml_type)mt->b->type, K, N, E);
+    ggml_set_name(W, mt->r->name);
+    struct ggml_tensor * X = ggml_new_tensor_3d(g, GGML_TYPE_F32, K, 1, NTOK);
+    struct ggml_tensor * ids = ggml_new_tensor_2d(g, GGML_TYPE_I32, NUSED, NTOK);
+    struct ggml_tensor * Y = ggml_mul_mat_id(g, W, X, ids);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(g, ggml_backend_cpu_buffer_type());
+    CHECK(buf != NULL, "allocating CPU tensors");
+    if (buf == NULL) {
+        ggml_free(g);
+        return;
+    }
+    ggml_backend_tensor_set(W, m->base.b + mt->b->abs, 0, ggml_nbytes(W));
+    float * x = malloc((size_t)(K * NTOK) * sizeof(float));
+    make_x(x, K * NTOK, 99);
+    ggml_backend_tensor_set(X, x, 0, ggml_nbytes(X));
+    int32_t idv[NUSED * NTOK];
+    for (int i = 0; i < NUSED * NTOK; i++) idv[i] = (int32_t)((i * 7 + i / NUSED) % E);
+    ggml_backend_tensor_set(ids, idv, 0, sizeof(idv));
+    char what[256];
+    snprintf(what, sizeof(what), "callback MUL_MAT_ID %s", mt->r->name);
+    bitsplit_ctx_set_enabled(ctx, true);
+    bitsplit_ctx_reset_counters(ctx);
+    CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_CUSTOM, "%s: not replaced", what);
+    double * ref = malloc((size_t)N * sizeof(double));
+    double * A = malloc((size_t)N * sizeof(double));
+    float * y1 = malloc(ggml_nbytes(Y));
+    const int eff = effective_precision(BITSPLIT_PREC_AUTO, mt);
+    for (int nth = 1; nth <= 3; nth++) {
+        memset(Y->data, 0, ggml_nbytes(Y));
+        if (!run_custom(Y, nth)) break;
+        if (nth == 1) {
+            memcpy(y1, Y->data, ggml_nbytes(Y));
+            for (int t = 0; t < NTOK; t++) {
+                for (int i = 0; i < NUSED; i++) {
+                    const int e = idv[t * NUSED + i];
+                    reference(mt->w + (size_t)e * N * K, K, N, x + (size_t)t * K, 1, ref, A);
+                    const float * y = (const float *)((const char *)Y->data + i * Y->nb[1] + t * Y->nb[2]);
+                    double ratio;
+                    int64_t where;
+                    CHECK(excess(y, ref, A, N, rel_tol(eff), 1e-5, &ratio, &where) <= 0,
+                          "%s: token %d slot %d (expert %d) result", what, t, i, e);
+                }
+            }
+        } else {
+            CHECK(memcmp(Y->data, y1, ggml_nbytes(Y)) == 0, "%s: %d threads differ from 1", what, nth);
+        }
+    }
+    char err[512];
+    CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_OK, "%s: error '%s'", what, err);
+    bitsplit_ctx_set_enabled(ctx, false);
+    bitsplit_eval_callback(Y, true, ctx);
+    CHECK(Y->op == GGML_OP_MUL_MAT_ID, "%s: restored", what);
+    free(x);
+    free(ref);
+    free(A);
+    free(y1);
+    ggml_backend_buffer_free(buf);
+    ggml_free(g);
+}
+
+static void test_callback(const model * m) {
+    char err[512] = "";
+    bitsplit_ctx * ctx = NULL;
+    if (bitsplit_ctx_load(m->res_path, m->base_path, &ctx, err, sizeof(err)) != BITSPLIT_OK) {
+        CHECK(false, "%s: load for the callback test: %s", m->dir, err);
+        return;
+    }
+    bitsplit_ctx_set_threads(ctx, 2);
+    const mtensor * t = pick(m, false, "blk.0.attn_q.weight");
+    if (t != NULL) {
+        test_callback_mul_mat(ctx, m, t, 1);
+        test_callback_mul_mat(ctx, m, t, 5);
+        test_callback_mul_mat(ctx, m, t, 40);
+    }
+    const mtensor * e = pick(m, false, "token_embd.weight");
+    if (e != NULL && strcmp(e->r->name, "token_embd.weight") == 0) test_callback_get_rows(ctx, m, e);
+    const mtensor * x = pick(m, true, NULL);
+    if (x != NULL) test_callback_mul_mat_id(ctx, m, x);
+    bitsplit_ctx_free(ctx);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * corrupted files
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    long strict_refused, strict_accepted, lenient_accepted, lenient_refused;
+    long by_status[8];
+} corrupt_stats;
+
+static corrupt_stats g_cs;
+static char g_case_path[PATH_MAX];
+
+/* an accepted file must still be usable: every 2-D tensor's product runs */
+static void smoke(bitsplit_ctx * ctx, const char * what) {
+    const int64_t n = bitsplit_ctx_n_tensors(ctx);
+    for (int64_t i = 0; i < n; i++) {
+        const char * name;
+        int64_t ne[4];
+        int bt, rt;
+        if (bitsplit_ctx_tensor_info(ctx, i, &name, ne, &bt, &rt) != BITSPLIT_OK) {
+            CHECK(false, "%s: tensor_info %" PRId64, what, i);
+            continue;
+        }
+        if (ne[2] != 1 || ne[3] != 1 || ne[0] > 8192 || ne[1] > 8192) continue;
+        float * x = calloc((size_t)ne[0] * 2, sizeof(float));
+        float * y = calloc((size_t)ne[1] * 2, sizeof(float));
+        for (int64_t k = 0; k < ne[0] * 2; k++) x[k] = (float)((k % 7) - 3) * 0.25f;
+        const int st = bitsplit_ctx_matmul(ctx, name, x, 2, y, true);
+        CHECK(st == BITSPLIT_OK, "%s: accepted file, but the product of %s fails: %d", what, name, st);
+        free(x);
+        free(y);
+    }
+}
+
+/* strict: must be refused. lenient: refused, or accepted and usable. */
+static void try_case(const char * res, const char * base, bool strict, const char * what) {
+    char err[512];
+    err[0] = '\0';
+    bitsplit_ctx * ctx = (bitsplit_ctx *)0x1;
+    const int st = bitsplit_ctx_load(res, base, &ctx, err, sizeof(err));
+    if (st >= 0 && st < 8) g_cs.by_status[st]++;
+    if (st == BITSPLIT_OK) {
+        CHECK(ctx != NULL && ctx != (bitsplit_ctx *)0x1, "%s: OK without a context", what);
+        if (strict) {
+            g_cs.strict_accepted++;
+            CHECK(false, "%s: corrupt file accepted", what);
+        } else {
+            g_cs.lenient_accepted++;
+        }
+        vlog("  accepted: %s\n", what);
+        if (ctx != NULL && ctx != (bitsplit_ctx *)0x1) {
+            smoke(ctx, what);
+            bitsplit_ctx_free(ctx);
+        }
+        return;
+    }
+    if (strict) g_cs.strict_refused++;
+    else g_cs.lenient_refused++;
+    CHECK(ctx == NULL, "%s: refused (%d) but *out not NULL", what, st);
+    CHECK(err[0] != '\0' && strlen(err) < sizeof(err), "%s: refused without a message", what);
+    CHECK(st == BITSPLIT_E_IO || st == BITSPLIT_E_FORMAT || st == BITSPLIT_E_MISMATCH || st == BITSPLIT_E_UNSUPPORTED,
+          "%s: unexpected status %d (%s)", what, st, err);
+    vlog("  refused (%d): %s: %s\n", st, what, err);
+}
+
+/* write `b` with the mutation applied to the case file and try it as residual (or base) */
+static void run_bytes(const model * m, const uint8_t * b, size_t n, bool as_base, bool strict, const char * what) {
+    if (!write_all(g_case_path, b, n)) {
+        CHECK(false, "cannot write %s", g_case_path);
+        return;
+    }
+    if (as_base) {
+        try_case(m->res_path, g_case_path, strict, what);
+    } else {
+        try_case(g_case_path, m->base_path, strict, what);
+    }
+}
+
+typedef struct {
+    uint8_t * b;
+    size_t n;
+} buf_t;
+
+static buf_t copy_of(const gfile * f) {
+    buf_t c = {malloc(f->n), f->n};
+    memcpy(c.b, f->b, f->n);
+    return c;
+}
+
+static void put(buf_t * c, size_t pos, uint64_t v, int bytes) {
+    if (pos + (size_t)bytes <= c->n) memcpy(c->b + pos, &v, (size_t)bytes);
+}
+
+/* one field of a fresh copy set to v, tried, undone */
+static void field(const model * m, const gfile * f, bool as_base, size_t pos, int bytes, uint64_t v, bool strict,
+                  const char * fmt, ...) {
+    char what[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(what, sizeof(what), fmt, ap);
+    va_end(ap);
+    snprintf(what + (k < 200 ? k : 200), sizeof(what) - (size_t)(k < 200 ? k : 200), " = %#" PRIx64 " (%s)", v,
+             as_base ? "base" : "residual");
+    buf_t c = copy_of(f);
+    put(&c, pos, v, bytes);
+    run_bytes(m, c.b, c.n, as_base, strict, what);
+    free(c.b);
+}
+
+static void test_corrupt(const model * m, int n_flips, uint64_t seed) {
+    const gfile * r = &m->res;
+    const double t0 = now_s();
+    char what[256];
+
+    /* truncation: every length through the header and the first data, then spread over the data */
+    const size_t head = r->data_offset + 300 < r->n ? r->data_offset + 300 : r->n - 1;
+    for (size_t len = 0; len <= head; len++) {
+        snprintf(what, sizeof(what), "residual truncated to %zu of %zu bytes", len, r->n);
+        run_bytes(m, r->b, len, false, true, what);
+    }
+    for (int i = 1; i <= 96; i++) {
+        const size_t len = head + (r->n - head) * (size_t)i / 97;
+        snprintf(what, sizeof(what), "residual truncated to %zu of %zu bytes", len, r->n);
+        run_bytes(m, r->b, len, false, true, what);
+    }
+    for (size_t cut = 1; cut <= 64; cut *= 2) {
+        snprintf(what, sizeof(what), "residual missing its last %zu bytes", cut);
+        run_bytes(m, r->b, r->n - cut, false, true, what);
+    }
+    const gfile * b = &m->base;
+    for (size_t len = 0; len < b->data_offset + 64 && len < b->n; len += 13) {
+        snprintf(what, sizeof(what), "base truncated to %zu of %zu bytes", len, b->n);
+        run_bytes(m, b->b, len, true, true, what);
+    }
+    for (int i = 1; i <= 24; i++) {
+        const size_t len = b->data_offset + (b->n - b->data_offset) * (size_t)i / 25;
+        snprintf(what, sizeof(what), "base truncated to %zu of %zu bytes", len, b->n);
+        run_bytes(m, b->b, len, true, true, what);
+    }
+    snprintf(what, sizeof(what), "base missing its last byte");
+    run_bytes(m, b->b, b->n - 1, true, true, what);
+    vlog("  truncations done (%.2fs)\n", now_s() - t0);
+
+    /* absurd header fields (strict: every one of these must be refused) */
+    field(m, r, false, 0, 4, 0x47554746u, true, "magic");
+    field(m, r, false, 0, 4, 0, true, "magic");
+    const uint64_t bad_versions[] = {0, 1, 4, 0xffffffffu, 0x03000000u};
+    for (size_t i = 0; i < sizeof(bad_versions) / sizeof(bad_versions[0]); i++) {
+        field(m, r, false, 4, 4, bad_versions[i], true, "version");
+    }
+    const uint64_t huge[] = {UINT64_MAX, 1ull << 63, 1ull << 40, 1ull << 32, (1ull << 20) + 1, r->n};
+    for (size_t i = 0; i < sizeof(huge) / sizeof(huge[0]); i++) {
+        field(m, r, false, 8, 8, huge[i], true, "tensor count");
+        field(m, r, false, 16, 8, huge[i], true, "key/value count");
+    }
+    field(m, r, false, 8, 8, r->n_tensors + 1, false, "tensor count + 1");
+    field(m, r, false, 8, 8, r->n_tensors - 1, false, "tensor count - 1");
+    field(m, r, false, 8, 8, 0, false, "tensor count 0");
+    field(m, r, false, 16, 8, r->n_kv + 1, false, "key/value count + 1");
+    field(m, r, false, 16, 8, r->n_kv - 1, false, "key/value count - 1");
+    field(m, r, false, 16, 8, 0, true, "key/value count 0");
+
+    for (uint64_t i = 0; i < r->n_kv; i++) {
+        const kv_at * k = &r->kv[i];
+        const uint64_t bad_len[] = {UINT64_MAX, 1ull << 40, r->n, r->n - k->key_pos + 1};
+        for (size_t j = 0; j < sizeof(bad_len) / sizeof(bad_len[0]); j++) {
+            field(m, r, false, k->len_pos, 8, bad_len[j], true, "length of key '%s'", k->key);
+        }
+        field(m, r, false, k->len_pos, 8, 0, false, "length of key '%s'", k->key);
+        field(m, r, false, k->len_pos, 8, k->key_len + 1, false, "length of key '%s' + 1", k->key);
+        const uint64_t bad_types[] = {13, 255, 0xffffffffu, 0x80000008u};
+        for (size_t j = 0; j < sizeof(bad_types) / sizeof(bad_types[0]); j++) {
+            field(m, r, false, k->type_pos, 4, bad_types[j], true, "type of key '%s'", k->key);
+        }
+        for (uint32_t vt = 0; vt < 13; vt++) {
+            if (vt != k->type) field(m, r, false, k->type_pos, 4, vt, false, "type of key '%s'", k->key);
+        }
+        if (k->type == GGUF_TYPE_STRING) {
+            const uint64_t bad_slen[] = {UINT64_MAX, 1ull << 40, r->n, (1ull << 63) + 5};
+            for (size_t j = 0; j < sizeof(bad_slen) / sizeof(bad_slen[0]); j++) {
+                field(m, r, false, k->val_pos, 8, bad_slen[j], true, "length of the value of '%s'", k->key);
+            }
+        }
+    }
+    const kv_at * fv = find_kv(r, "bitsplit.format_version");
+    CHECK(fv != NULL && fv->type == GGUF_TYPE_UINT32, "residual has bitsplit.format_version (u32)");
+    if (fv != NULL) {
+        field(m, r, false, fv->val_pos, 4, 0, true, "format version");
+        field(m, r, false, fv->val_pos, 4, 2, true, "format version");
+        field(m, r, false, fv->val_pos, 4, 0xffffffffu, true, "format version");
+        field(m, r, false, fv->type_pos, 4, GGUF_TYPE_INT32, true, "format version type int32");
+        field(m, r, false, fv->type_pos, 4, GGUF_TYPE_FLOAT32, true, "format version type float32");
+        field(m, r, false, fv->key_pos + 3, 1, 'X', true, "format version key renamed");
+    }
+
+    for (uint64_t i = 0; i < r->n_tensors; i++) {
+        const ti_at * t = &r->ti[i];
+        const char * nm = t->name;
+        field(m, r, false, t->len_pos, 8, UINT64_MAX, true, "name length of '%s'", nm);
+        field(m, r, false, t->len_pos, 8, 1ull << 40, true, "name length of '%s'", nm);
+        field(m, r, false, t->len_pos, 8, GGML_MAX_NAME, false, "name length of '%s'", nm);
+        field(m, r, false, t->len_pos, 8, 0, false, "name length of '%s'", nm);
+        field(m, r, false, t->name_pos, 1, 'Z', true, "name of '%s' (first byte)", nm);
+        field(m, r, false, t->name_pos + t->name_len - 1, 1, 0, false, "name of '%s' (NUL in last byte)", nm);
+        /* another tensor's name of the same length: a duplicate */
+        for (uint64_t j = 0; j < r->n_tensors; j++) {
+            if (j != i && r->ti[j].name_len == t->name_len) {
+                buf_t c = copy_of(r);
+                memcpy(c.b + t->name_pos, r->ti[j].name, t->name_len);
+                snprintf(what, sizeof(what), "tensor '%s' renamed to '%s' (duplicate)", nm, r->ti[j].name);
+                run_bytes(m, c.b, c.n, false, true, what);
+                free(c.b);
+                break;
+            }
+        }
+        const uint64_t bad_nd[] = {0, 5, 0xffffffffu, 1ull << 31};
+        for (size_t j = 0; j < sizeof(bad_nd) / sizeof(bad_nd[0]); j++) {
+            field(m, r, false, t->ndims_pos, 4, bad_nd[j], bad_nd[j] != 0, "dimension count of '%s'", nm);
+        }
+        const uint64_t bad_ne0[] = {0, UINT64_MAX, 1ull << 62, 1ull << 40, (uint64_t)t->ne[0] + 1,
+                                    (uint64_t)t->ne[0] * 2, (uint64_t)t->ne[0] / 2};
+        for (size_t j = 0; j < sizeof(bad_ne0) / sizeof(bad_ne0[0]); j++) {
+            field(m, r, false, t->dims_pos, 8, bad_ne0[j], true, "ne0 of '%s'", nm);
+        }
+        if (t->n_dims >= 2) {
+            const uint64_t bad_ne1[] = {0, UINT64_MAX, (uint64_t)INT64_MAX, 1ull << 40, (uint64_t)t->ne[1] - 1,
+                                        (uint64_t)t->ne[1] + 1};
+            for (size_t j = 0; j < sizeof(bad_ne1) / sizeof(bad_ne1[0]); j++) {
+                field(m, r, false, t->dims_pos + 8, 8, bad_ne1[j], true, "ne1 of '%s'", nm);
+            }
+            if (t->ne[0] != t->ne[1]) { /* same byte count, other shape */
+                buf_t c = copy_of(r);
+                put(&c, t->dims_pos, (uint64_t)t->ne[1], 8);
+                put(&c, t->dims_pos + 8, (uint64_t)t->ne[0], 8);
+                snprintf(what, sizeof(what), "'%s' dims swapped", nm);
+                run_bytes(m, c.b, c.n, false, true, what);
+                free(c.b);
+            }
+        }
+        const uint64_t bad_type[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_Q6_K,
+                                     GGML_TYPE_Q2_K, GGML_TYPE_BF16, 4, GGML_TYPE_COUNT, GGML_TYPE_COUNT + 1, 1000,
+                                     0xffffffffu, 0x80000000u};
+        for (size_t j = 0; j < sizeof(bad_type) / sizeof(bad_type[0]); j++) {
+            if (bad_type[j] == t->type) continue;
+            field(m, r, false, t->type_pos, 4, bad_type[j], true, "type of '%s'", nm);
+        }
+        const uint64_t bad_off[] = {t->off + 1, t->off + 16, t->off + 32, UINT64_MAX, UINT64_MAX - 31,
+                                    1ull << 63, (uint64_t)r->n, (uint64_t)r->n - r->data_offset,
+                                    (uint64_t)(0 - r->data_offset)};
+        for (size_t j = 0; j < sizeof(bad_off) / sizeof(bad_off[0]); j++) {
+            field(m, r, false, t->off_pos, 8, bad_off[j], true, "offset of '%s'", nm);
+        }
+        if (i > 0) field(m, r, false, t->off_pos, 8, r->ti[i - 1].off, true, "offset of '%s' = previous tensor's", nm);
+    }
+    /* the base, too: types and shapes of a tensor that has a residual */
+    if (m->nt > 0) {
+        const ti_at * bt = m->t[0].b;
+        const uint64_t bad_type[] = {GGML_TYPE_COUNT, 1000, 0xffffffffu, GGML_TYPE_F32};
+        for (size_t j = 0; j < sizeof(bad_type) / sizeof(bad_type[0]); j++) {
+            field(m, b, true, bt->type_pos, 4, bad_type[j], true, "base type of '%s'", bt->name);
+        }
+        field(m, b, true, bt->dims_pos, 8, 0, true, "base ne0 of '%s'", bt->name);
+        field(m, b, true, bt->off_pos, 8, UINT64_MAX - 31, true, "base offset of '%s'", bt->name);
+        field(m, b, true, bt->name_pos, 1, 'Z', true, "base name of '%s'", bt->name);
+    }
+    vlog("  header fields done (%.2fs)\n", now_s() - t0);
+
+    /* random damage: byte flips in the header region, inserted/removed bytes, data damage */
+    g_rng = seed * 0x2545f4914f6cdd1dull + 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < n_flips; i++) {
+        buf_t c = copy_of(r);
+        const int kind = (int)(rnd() % 10);
+        size_t n = c.n;
+        if (kind < 6) { /* 1..4 bytes in the header set to random / flipped / extreme values */
+            const int nb = 1 + (int)(rnd() % 4);
+            for (int j = 0; j < nb; j++) {
+                const size_t pos = (size_t)(rnd() % r->header_end);
+                const int how = (int)(rnd() % 4);
+                c.b[pos] = how == 0 ? (uint8_t)rnd() : how == 1 ? (uint8_t)(c.b[pos] ^ (1u << (rnd() % 8)))
+                                                   : how == 2 ? 0xff : 0x00;
+            }
+            snprintf(what, sizeof(what), "random header damage #%d (%d bytes)", i, nb);
+        } else if (kind < 7) { /* a byte inserted in the header */
+            const size_t pos = (size_t)(rnd() % r->header_end);
+            uint8_t * nbuf = malloc(c.n + 1);
+            memcpy(nbuf, c.b, pos);
+            nbuf[pos] = (uint8_t)rnd();
+            memcpy(nbuf + pos + 1, c.b + pos, c.n - pos);
+            free(c.b);
+            c.b = nbuf;
+            n = c.n + 1;
+            snprintf(what, sizeof(what), "byte inserted at %zu (#%d)", pos, i);
+        } else if (kind < 8) { /* bytes removed from the header */
+            const size_t pos = (size_t)(rnd() % r->header_end);
+            const size_t cnt = 1 + (size_t)(rnd() % 8);
+            const size_t end = pos + cnt < c.n ? pos + cnt : c.n;
+            memmove(c.b + pos, c.b + end, c.n - end);
+            n = c.n - (end - pos);
+            snprintf(what, sizeof(what), "%zu bytes removed at %zu (#%d)", end - pos, pos, i);
+        } else if (kind < 9) { /* a 64-bit field-sized overwrite with an extreme value */
+            const size_t pos = (size_t)(rnd() % (r->header_end - 8));
+            const uint64_t vals[] = {UINT64_MAX, 1ull << 63, 1ull << 40, 0, 0xffffffffu, (uint64_t)r->n};
+            put(&c, pos, vals[rnd() % 6], 1 + (int)(rnd() % 8));
+            snprintf(what, sizeof(what), "extreme value at %zu (#%d)", pos, i);
+        } else { /* tensor data damage: accepted (data is not checked), must stay usable */
+            const int nb = 1 + (int)(rnd() % 64);
+            for (int j = 0; j < nb; j++) {
+                const size_t pos = r->data_offset + (size_t)(rnd() % (r->n - r->data_offset));
+                c.b[pos] = (uint8_t)rnd();
+            }
+            snprintf(what, sizeof(what), "random data damage #%d (%d bytes)", i, nb);
+        }
+        run_bytes(m, c.b, n, false, false, what);
+        free(c.b);
+    }
+    vlog("  random damage done (%.2fs)\n", now_s() - t0);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * main
+ * ------------------------------------------------------------------------------------------- */
+
+static void usage(void) {
+    fprintf(stderr, "usage: test_native MODEL_DIR [--bad FILE]... [--any FILE]... [--flips N] [--seed N] [--work DIR] "
+                    "[--quick] [-v]\n");
+}
+
+int main(int argc, char ** argv) {
+    const double t_start = now_s();
+    const char * dir = NULL;
+    const char * work_arg = NULL;
+    const char * bad[256];
+    const char * any[256];
+    int n_bad = 0, n_any = 0, n_flips = 1500;
+    uint64_t seed = 1;
+    bool quick = false;
+    for (int i = 1; i < argc; i++) {
+        const char * a = argv[i];
+        if ((strcmp(a, "--bad") == 0 || strcmp(a, "--any") == 0) && i + 1 < argc) {
+            if (a[2] == 'b' && n_bad < 256) bad[n_bad++] = argv[++i];
+            else if (a[2] == 'a' && n_any < 256) any[n_any++] = argv[++i];
+            else i++;
+        } else if (strcmp(a, "--flips") == 0 && i + 1 < argc) {
+            n_flips = atoi(argv[++i]);
+        } else if (strcmp(a, "--seed") == 0 && i + 1 < argc) {
+            seed = strtoull(argv[++i], NULL, 10);
+        } else if (strcmp(a, "--work") == 0 && i + 1 < argc) {
+            work_arg = argv[++i];
+        } else if (strcmp(a, "--quick") == 0) {
+            quick = true;
+        } else if (strcmp(a, "-v") == 0) {
+            g_verbose = true;
+        } else if (a[0] != '-' && dir == NULL) {
+            dir = a;
+        } else {
+            usage();
+            return 2;
+        }
+    }
+    if (dir == NULL) {
+        usage();
+        return 2;
+    }
+    ggml_log_set(quiet_log, NULL);
+
+    model m;
+    if (!model_open(&m, dir)) {
+        model_close(&m);
+        printf("test_native: FAIL: cannot read the split model in %s\n", dir);
+        return 1;
+    }
+    char work[PATH_MAX];
+    bool own_work = false;
+    if (work_arg != NULL) {
+        snprintf(work, sizeof(work), "%s", work_arg);
+        mkdir(work, 0700);
+    } else {
+        const char * tmp = getenv("TMPDIR");
+        snprintf(work, sizeof(work), "%s/bitsplit-native-test.XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+        if (mkdtemp(work) == NULL) {
+            perror("mkdtemp");
+            model_close(&m);
+            return 1;
+        }
+        own_work = true;
+    }
+    snprintf(g_case_path, sizeof(g_case_path), "%s/case.gguf", work);
+
+    const int fds0 = count_fds();
+    double t = now_s();
+    test_api_edges(&m, work);
+    test_valid_load(&m, quick);
+    const double t_products = now_s() - t;
+    t = now_s();
+    test_callback(&m);
+    const double t_callback = now_s() - t;
+    t = now_s();
+    test_corrupt(&m, n_flips, seed);
+    for (int i = 0; i < n_bad; i++) try_case(bad[i], m.base_path, true, bad[i]);
+    for (int i = 0; i < n_any; i++) try_case(any[i], m.base_path, false, any[i]);
+    const double t_corrupt = now_s() - t;
+    const int fds1 = count_fds();
+    CHECK(fds0 == fds1, "file descriptors leaked: %d open before, %d after", fds0, fds1);
+    CHECK(live_maps() == 0, "%ld file maps not released", live_maps());
+
+    unlink(g_case_path);
+    if (own_work) rmdir(work);
+
+    char fams[128] = "";
+    for (int f = 0; f < N_FAMILIES; f++) {
+        if (g_family_ok[f]) {
+            strcat(fams, fams[0] ? "," : "");
+            strcat(fams, FAMILIES[f]);
+        }
+    }
+    if (g_verbose) {
+        for (int f = 0; f < N_FAMILIES; f++) {
+            if (g_family_ok[f]) {
+                fprintf(stderr, "  %-12s worst |y-ref|/A: f32 %.3g  bf16 %.3g\n", FAMILIES[f], g_worst_ratio[f][1],
+                        g_worst_ratio[f][2]);
+            }
+        }
+        fprintf(stderr, "  statuses of corrupt loads: ok %ld io %ld format %ld mismatch %ld unsupported %ld other %ld\n",
+                g_cs.by_status[0], g_cs.by_status[1], g_cs.by_status[2], g_cs.by_status[3], g_cs.by_status[4],
+                g_cs.by_status[5] + g_cs.by_status[6] + g_cs.by_status[7]);
+    }
+    model_close(&m);
+    printf("test_native: %s: %s: %ld checks, %ld failures; families %s; corrupt files: %ld must-refuse refused, "
+           "%ld wrongly accepted, %ld random (%ld accepted and usable, %ld refused); "
+           "%.1fs (products %.1fs, callback %.1fs, corrupt %.1fs)\n",
+           g_failures ? "FAIL" : "PASS", dir, g_checks, g_failures, fams, g_cs.strict_refused, g_cs.strict_accepted,
+           g_cs.lenient_accepted + g_cs.lenient_refused, g_cs.lenient_accepted, g_cs.lenient_refused,
+           now_s() - t_start, t_products, t_callback, t_corrupt);
+    return g_failures ? 1 : 0;
+}
