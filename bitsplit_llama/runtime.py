@@ -204,7 +204,7 @@ class Context:
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]] | None = None,
                logits: Sequence[bool] | bool = True) -> None:
         """One llama_decode. ``seq_ids[i]`` lists the sequences token i belongs to (default: [0]);
-        ``logits`` marks the tokens whose logits are wanted (True: all)."""
+        ``logits`` marks the tokens whose logits are wanted (True: all, False: none)."""
         ll = _llama()
         n = len(tokens)
         if n == 0:
@@ -214,7 +214,7 @@ class Context:
         n_seq = max((len(s) for s in seq_ids), default=1) if seq_ids is not None else 1
         b = self._ensure_batch(n, n_seq)
         b.n_tokens = n
-        want_all = logits is True
+        flag = logits if isinstance(logits, bool) else None  # True: every row, False: none
         for i in range(n):
             b.token[i] = int(tokens[i])
             b.pos[i] = int(positions[i])
@@ -222,7 +222,7 @@ class Context:
             b.n_seq_id[i] = len(sids)
             for j, s in enumerate(sids):
                 b.seq_id[i][j] = int(s)
-            b.logits[i] = True if want_all else bool(logits[i])
+            b.logits[i] = flag if flag is not None else bool(logits[i])
         rc = ll.llama_decode(self.ptr, b)
         if rc != 0:
             if rc == 1:
