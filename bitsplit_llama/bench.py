@@ -249,10 +249,10 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
               tree_nodes: int | str = "auto", n_ctx: int = 2048, kernel: str | None = None,
               log: Callable[[str], None] | None = None) -> BenchReport:
     from .gguf_file import check_readable_file
-    from .modeldir import split_paths
+    from .modeldir import validate_split
     from .runtime import default_threads
 
-    split_paths(model_dir)
+    validate_split(model_dir)
     check_readable_file(Path(vs), "--vs model")
     if n_predict < 2:
         raise InvalidOptionError(f"-n: {n_predict} is too small to measure a rate (at least 2)")

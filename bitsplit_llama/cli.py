@@ -223,14 +223,14 @@ def serve(
     threads: Optional[int] = typer.Option(None, "--threads", "-t"),
 ) -> None:
     """Serve a split model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions)."""
-    from .modeldir import split_paths
+    from .modeldir import validate_split
     from .server import serve as run_server
 
     if not 0 < port < 65536:
         raise InvalidOptionError(f"--port: {port} is not a TCP port (1..65535)")
     if threads is not None and threads < 1:
         raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
-    split_paths(model_dir)
+    validate_split(model_dir)
     print(f"serving {model_dir} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
     run_server(str(model_dir), host=host, port=port, model_name=model_name, n_ctx=n_ctx,
                tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers, n_threads=threads)
@@ -251,9 +251,9 @@ def chat(
 ) -> None:
     """Chat in the terminal with the model's own chat template, replies streamed. /reset clears, /exit quits."""
     from .llama import get_class
-    from .modeldir import split_paths
+    from .modeldir import validate_split
 
-    split_paths(model_dir)
+    validate_split(model_dir)
     _sampling(temp, 40, 0.95, 0.05, seed)  # validates the values
     llm = get_class()(model_dir, n_ctx=n_ctx, tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers,
                       n_threads=threads, verbose=False, seed=seed if seed is not None else 0xFFFFFFFF)

@@ -114,6 +114,15 @@ def check_pair(base: GGUFFile, res: GGUFFile, *, check_fingerprint: bool = True)
     return fp_ok
 
 
+def validate_split(model_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """Check a split model directory completely (files, format, fingerprint, names, shapes, types)
+    before anything loads it; returns (base path, residual path)."""
+    base_p, res_p = split_paths(model_dir)
+    with GGUFFile(base_p, role="base") as base, GGUFFile(res_p, role="residual") as res:
+        check_pair(base, res)
+    return base_p, res_p
+
+
 def split_info(model_dir: str | os.PathLike[str]) -> SplitInfo:
     """Describe a split model; a fingerprint mismatch is reported (``fingerprint_ok``), not raised."""
     base_p, res_p = split_paths(model_dir)
@@ -133,4 +142,5 @@ def split_info(model_dir: str | os.PathLike[str]) -> SplitInfo:
         )
 
 
-__all__ = ["SplitInfo", "split_info", "split_paths", "check_pair", "type_name", "SUPPORTED_RESIDUAL_TYPES"]
+__all__ = ["SplitInfo", "split_info", "split_paths", "validate_split", "check_pair", "type_name",
+           "SUPPORTED_RESIDUAL_TYPES"]

@@ -104,7 +104,7 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
              threads: int | None = None, precision: str = "auto", log: Callable[[str], None] | None = None,
              progress=None) -> EvalReport:
     """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``."""
-    from .modeldir import split_paths
+    from .modeldir import validate_split
     from .runtime import Context, Model, default_threads
     from .verifier import SplitModel
 
@@ -113,7 +113,7 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
     if max_chunks is not None and max_chunks < 1:
         raise InvalidOptionError(f"--chunks: {max_chunks} is not a positive integer")
     threads = threads or default_threads()
-    base_p, _ = split_paths(model_dir)
+    base_p, _ = validate_split(model_dir)
     reference, text = Path(reference), Path(text)
     vs = [Path(v) for v in vs]
     for v in vs:
