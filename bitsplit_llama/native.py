@@ -38,6 +38,7 @@ enum bitsplit_mode { BITSPLIT_MODE_AUTO = 0, BITSPLIT_MODE_ADD = 1 };
 typedef struct bitsplit_counters {
     uint64_t n_products; uint64_t n_add_products; uint64_t n_get_rows; uint64_t n_columns;
     uint64_t bytes_residual; uint64_t bytes_base; uint64_t ns_inside; uint64_t n_errors;
+    uint64_t n_draft_products; uint64_t ns_draft;
 } bitsplit_counters;
 
 const char * bitsplit_status_str(int status);
@@ -46,6 +47,7 @@ void bitsplit_ctx_free(bitsplit_ctx * ctx);
 int64_t bitsplit_ctx_n_tensors(const bitsplit_ctx * ctx);
 int bitsplit_ctx_tensor_info(const bitsplit_ctx * ctx, int64_t i, const char ** name, int64_t ne[4], int * base_type, int * res_type);
 void bitsplit_ctx_set_enabled(bitsplit_ctx * ctx, bool enabled);
+void bitsplit_ctx_set_draft_kernel(bitsplit_ctx * ctx, bool on);
 bool bitsplit_ctx_get_enabled(const bitsplit_ctx * ctx);
 int bitsplit_ctx_set_precision(bitsplit_ctx * ctx, int precision);
 int bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode);

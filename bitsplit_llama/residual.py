@@ -31,6 +31,8 @@ class Counters:
     bytes_base: int
     seconds_inside: float
     n_errors: int
+    n_draft_products: int = 0
+    seconds_draft: float = 0.0
 
 
 def _raise(status: int, message: str) -> None:
@@ -103,6 +105,11 @@ class Residual:
     def enabled(self, on: bool) -> None:
         self._lib.bitsplit_ctx_set_enabled(self.ptr, bool(on))
 
+    def set_draft_kernel(self, on: bool) -> None:
+        """With the residual off, compute the base's products in the native integer kernel too (CPU
+        nodes): a faster drafter than ggml's K-quant kernels on CPUs."""
+        self._lib.bitsplit_ctx_set_draft_kernel(self.ptr, bool(on))
+
     def set_precision(self, precision: str) -> None:
         if precision not in PRECISIONS:
             raise InvalidOptionError(f"precision '{precision}' unknown (expected one of: {', '.join(PRECISIONS)})")
@@ -148,7 +155,7 @@ class Residual:
         c = self._ffi.new("bitsplit_counters *")
         self._lib.bitsplit_ctx_get_counters(self.ptr, c)
         return Counters(c.n_products, c.n_add_products, c.n_get_rows, c.n_columns, c.bytes_residual, c.bytes_base,
-                        c.ns_inside / 1e9, c.n_errors)
+                        c.ns_inside / 1e9, c.n_errors, c.n_draft_products, c.ns_draft / 1e9)
 
     def reset_counters(self) -> None:
         self._lib.bitsplit_ctx_reset_counters(self.ptr)

@@ -27,7 +27,8 @@ class SplitModel:
     def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 2048, n_batch: int = 512,
                  n_ubatch: int | None = None, n_seq_max: int = 1, n_threads: int | None = None,
                  n_gpu_layers: int = 0, precision: str = "auto", verbose: bool = False,
-                 check_fingerprint: bool = True, flash_attn: bool | None = None, kv_type: str = "f16"):
+                 check_fingerprint: bool = True, flash_attn: bool | None = None, kv_type: str = "f16",
+                 fast_drafter: bool | None = None):
         self.dir = Path(model_dir)
         self._lock = threading.Lock()
         self.residual = Residual(model_dir, check_fingerprint=check_fingerprint)
@@ -43,6 +44,12 @@ class SplitModel:
                 self.model.close()
                 raise
             self.residual.set_threads(self.ctx.n_threads)
+            # on the CPU the base's own products go faster through the native integer kernel than
+            # through ggml's K-quant kernels; with GPU layers the drafter stays stock
+            if fast_drafter is None:
+                fast_drafter = n_gpu_layers == 0
+            self.fast_drafter = bool(fast_drafter)
+            self.residual.set_draft_kernel(self.fast_drafter)
         except BaseException:
             self.residual.close()
             raise

@@ -59,6 +59,7 @@ struct bitsplit_ctx {
     int64_t table_size;
 
     atomic_bool enabled;
+    atomic_bool draft_fast;
     int precision;
     int mode;
     bool replace_ok; /* custom-op layout check passed */
@@ -83,7 +84,7 @@ struct bitsplit_ctx {
     bs_scratch host_x, host_y, host_d;
 
     /* counters (updated by thread 0 of a product) */
-    atomic_uint_fast64_t c_products, c_add, c_rows, c_cols, c_bres, c_bbase, c_ns, c_err;
+    atomic_uint_fast64_t c_products, c_add, c_rows, c_cols, c_bres, c_bbase, c_ns, c_err, c_draft, c_ns_draft;
 
     pthread_mutex_t err_lock;
     int err_status;
@@ -375,7 +376,20 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
     ctx->replace_ok = custom_layout_ok();
     ctx->n_families = bs_kernels_list(getenv("BITSPLIT_KERNEL"), ctx->families, BS_MAX_FAMILIES);
     ctx->family = ctx->families[0];
-    ctx->n_large = bs_kernels_list(NULL, ctx->large, BS_MAX_FAMILIES);
+    /* large batches: the tile kernels (their cost barely grows with the batch); the integer kernel
+     * (cost grows per column) only when BITSPLIT_KERNEL names it, to measure it everywhere */
+    {
+        const char * env = getenv("BITSPLIT_KERNEL");
+        const bs_kernel_family * all[BS_MAX_FAMILIES];
+        const int n = bs_kernels_list(env, all, BS_MAX_FAMILIES);
+        const bool forced_int = env != NULL && strcmp(env, "vnni-int24") == 0;
+        ctx->n_large = 0;
+        for (int i = 0; i < n; i++) {
+            if (forced_int || strcmp(all[i]->name, "vnni-int24") != 0) {
+                ctx->large[ctx->n_large++] = all[i];
+            }
+        }
+    }
     atomic_store(&ctx->enabled, false);
     *out = ctx;
     return BITSPLIT_OK;
@@ -536,6 +550,14 @@ static void barrier(bitsplit_ctx * ctx, int nth) {
 /* Decode batches (the engine's verify passes) use the context's chosen families, so that every
  * pass of one generation runs the same arithmetic; larger batches (prompts) the fastest there is. */
 static const bs_kernel_family * family_for(const bitsplit_ctx * ctx, const bs_job * job) {
+    if (job->r == NULL && job->w2 != NULL) { /* the fast drafter: the integer kernel, else generic */
+        const bs_kernel_family * all[BS_MAX_FAMILIES];
+        const int n = bs_kernels_list(NULL, all, BS_MAX_FAMILIES);
+        for (int i = 0; i < n; i++) {
+            if (all[i]->supports(job)) return all[i];
+        }
+        return bs_generic_family();
+    }
     const bool small = job->n_cols <= BS_DECODE_COLS;
     const bs_kernel_family * const * list = small ? ctx->families : ctx->large;
     const int n = small ? ctx->n_families : ctx->n_large;
@@ -643,6 +665,30 @@ static void op_mul_mat(struct ggml_tensor * dst, int ith, int nth, void * userda
     run_job(ctx, &job, ith, nth);
     if (ith == 0) {
         count_job(ctx, &job, t0, false);
+    }
+}
+
+/* the fast drafter: W2 . x alone (the residual is off) */
+static void op_mul_mat_base(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const bs_entry * e = userdata;
+    bitsplit_ctx * ctx = e->ctx;
+    const struct ggml_tensor * w = dst->src[0];
+    const struct ggml_tensor * x = dst->src[1];
+    const uint64_t t0 = ith == 0 ? bs_now_ns() : 0;
+    bs_job job;
+    fill_job(&job, e, base_rows(e, w), 0, e->ne[1]);
+    job.r = NULL;
+    job.x = (const float *)x->data;
+    job.ldx = e->ne[0];
+    job.n_cols = ggml_nrows(x);
+    job.y = (float *)dst->data;
+    job.ldy = e->ne[1];
+    job.precision = resolve_precision(ctx, e->base_type, e->base_type);
+    job.acts = ctx->acts;
+    run_job(ctx, &job, ith, nth);
+    if (ith == 0) {
+        atomic_fetch_add(&ctx->c_draft, 1);
+        atomic_fetch_add(&ctx->c_ns_draft, bs_now_ns() - t0);
     }
 }
 
@@ -912,6 +958,26 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     return false;
 }
 
+/* ask == true with the residual off and the fast drafter on: base products of CPU nodes here */
+static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
+    const bs_entry * e = entry_for(ctx, t);
+    const struct ggml_tensor * x = t->src[1];
+    if (e == NULL || x == NULL || !host(t) || !host(x) || !ctx->replace_ok || e->ne[2] != 1 || e->ne[3] != 1 ||
+        !plain_f32_matrix(x) || !plain_f32_matrix(t) || x->ne[0] != e->ne[0] || t->ne[0] != e->ne[1]) {
+        return false;
+    }
+    bs_job job;
+    fill_job(&job, e, e->base_data, 0, e->ne[1]);
+    job.r = NULL;
+    job.n_cols = ggml_nrows(x);
+    job.precision = resolve_precision(ctx, e->base_type, e->base_type);
+    if (!ensure(&ctx->acts, &ctx->acts_size, job_acts_size(ctx, &job) + 64)) {
+        return false; /* out of memory: ggml's own kernel will do */
+    }
+    mutate(t, op_mul_mat_base, e);
+    return false;
+}
+
 typedef struct {
     bitsplit_ctx * ctx;
     const bs_job * job;
@@ -1036,6 +1102,9 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) 
             restore(t);
         }
         if (!atomic_load_explicit(&ctx->enabled, memory_order_relaxed)) {
+            if (t->op == GGML_OP_MUL_MAT && atomic_load_explicit(&ctx->draft_fast, memory_order_relaxed)) {
+                return ask_draft(ctx, t);
+            }
             return false;
         }
         if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_GET_ROWS || t->op == GGML_OP_MUL_MAT_ID) {
@@ -1096,6 +1165,10 @@ void bitsplit_ctx_set_enabled(bitsplit_ctx * ctx, bool enabled) {
     if (ctx) atomic_store(&ctx->enabled, enabled);
 }
 
+void bitsplit_ctx_set_draft_kernel(bitsplit_ctx * ctx, bool on) {
+    if (ctx) atomic_store(&ctx->draft_fast, on);
+}
+
 bool bitsplit_ctx_get_enabled(const bitsplit_ctx * ctx) {
     return ctx ? atomic_load(&((bitsplit_ctx *)ctx)->enabled) : false;
 }
@@ -1141,6 +1214,8 @@ void bitsplit_ctx_get_counters(const bitsplit_ctx * c, bitsplit_counters * out) 
     out->bytes_base = atomic_load(&ctx->c_bbase);
     out->ns_inside = atomic_load(&ctx->c_ns);
     out->n_errors = atomic_load(&ctx->c_err);
+    out->n_draft_products = atomic_load(&ctx->c_draft);
+    out->ns_draft = atomic_load(&ctx->c_ns_draft);
 }
 
 void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
@@ -1155,6 +1230,8 @@ void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
     atomic_store(&ctx->c_bbase, 0);
     atomic_store(&ctx->c_ns, 0);
     atomic_store(&ctx->c_err, 0);
+    atomic_store(&ctx->c_draft, 0);
+    atomic_store(&ctx->c_ns_draft, 0);
 }
 
 int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size) {

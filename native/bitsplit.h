@@ -65,7 +65,9 @@ typedef struct bitsplit_counters {
     uint64_t bytes_residual;    /* residual bytes read */
     uint64_t bytes_base;        /* base weight bytes read by this library */
     uint64_t ns_inside;         /* wall time inside this library's products, nanoseconds */
-    uint64_t n_errors;          /* graph nodes refused (recorded error; see bitsplit_ctx_last_error) */
+    uint64_t n_errors;          /* graph nodes refused (recorded error; see bitsplit_ctx_take_error) */
+    uint64_t n_draft_products;  /* base-only products computed here for the drafter (fast drafter) */
+    uint64_t ns_draft;          /* wall time inside those, nanoseconds */
 } bitsplit_counters;
 
 const char * bitsplit_status_str(int status);
@@ -83,6 +85,9 @@ int bitsplit_ctx_tensor_info(const bitsplit_ctx * ctx, int64_t i, const char ** 
                              int * base_type, int * res_type);
 
 void bitsplit_ctx_set_enabled(bitsplit_ctx * ctx, bool enabled);
+/* With the residual disabled, compute the base's own weight products here too (CPU nodes only),
+ * with the integer kernel: a faster drafter on CPUs. Off: the disabled callback observes nothing. */
+void bitsplit_ctx_set_draft_kernel(bitsplit_ctx * ctx, bool on);
 bool bitsplit_ctx_get_enabled(const bitsplit_ctx * ctx);
 int  bitsplit_ctx_set_precision(bitsplit_ctx * ctx, int precision);
 int  bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode);
@@ -105,8 +110,9 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data);
 int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols,
                         float * y, bool with_base);
 
-/* the fastest kernel family this CPU runs ("amx-bf16", "avx512-bf16", "generic"), or the one
- * named by the environment variable BITSPLIT_KERNEL */
+/* the fastest kernel family this CPU runs ("vnni-int24", "amx-bf16", "avx512-bf16", "generic"),
+ * or the one named by the environment variable BITSPLIT_KERNEL (which, read when a context is
+ * loaded, then serves every batch size: for measurements) */
 const char * bitsplit_kernel_name(void);
 /* use the named family for this context's decode batches (up to 32 columns; larger batches always
  * take the fastest family): NULL or "" restores the default order. BITSPLIT_E_UNSUPPORTED if this

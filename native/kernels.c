@@ -125,14 +125,16 @@ static void generic_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch 
     const float * xs = bf16 ? (const float *)job->acts : job->x;
     const int64_t ldx = bf16 ? K : job->ldx;
     for (int64_t r = r0; r < r1; r++) {
-        bs_dequant_row(job->r_type, job->r + (size_t)r * job->r_row_bytes, rr, K);
-        if (job->w2 != NULL) {
+        if (job->r == NULL) { /* base alone (the fast drafter) */
+            bs_dequant_row(job->w2_type, job->w2 + (size_t)r * job->w2_row_bytes, w, K);
+        } else if (job->w2 != NULL) {
+            bs_dequant_row(job->r_type, job->r + (size_t)r * job->r_row_bytes, rr, K);
             bs_dequant_row(job->w2_type, job->w2 + (size_t)r * job->w2_row_bytes, w, K);
             for (int64_t k = 0; k < K; k++) {
                 w[k] += rr[k];
             }
         } else {
-            memcpy(w, rr, (size_t)K * sizeof(float));
+            bs_dequant_row(job->r_type, job->r + (size_t)r * job->r_row_bytes, w, K);
         }
         if (bf16) {
             for (int64_t k = 0; k < K; k++) {

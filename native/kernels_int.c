@@ -29,7 +29,6 @@
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,bmi2")))
 #define QK 256
 #define XMAX 8355711.0f /* 127*65536 + 127*256 + 127: three digits in [-128, 127] */
-#define INT_MAX_COLS 32 /* larger batches (prompts) go to the bf16 tile kernels */
 
 typedef struct {
     int8_t d[3][QK];  /* digits d0, d1, d2 */
@@ -57,10 +56,11 @@ static bool type_ok(enum ggml_type t) {
 }
 
 static bool int_supports(const bs_job * job) {
-    if (job->K % QK != 0 || job->n_cols > INT_MAX_COLS || job->precision == BITSPLIT_PREC_F32) {
+    /* any batch works; which batches it is chosen for is the context's policy (bitsplit.c) */
+    if (job->K % QK != 0 || job->precision == BITSPLIT_PREC_F32) {
         return false;
     }
-    return type_ok(job->r_type) && (job->w2 == NULL || type_ok(job->w2_type));
+    return (job->r == NULL || type_ok(job->r_type)) && (job->w2 == NULL || type_ok(job->w2_type));
 }
 
 static size_t int_acts_size(const bs_job * job) {
@@ -312,17 +312,22 @@ TGT static void int_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch 
     wblock wb, wr;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t * brow = job->w2 ? job->w2 + (size_t)r * job->w2_row_bytes : NULL;
-        const uint8_t * rrow = job->r + (size_t)r * job->r_row_bytes;
+        const uint8_t * rrow = job->r ? job->r + (size_t)r * job->r_row_bytes : NULL;
         for (int64_t c = 0; c < nc; c++) {
             tot[c] = _mm512_setzero_ps();
         }
         for (int64_t t = 0; t < nb; t++) {
             if (brow) decode(job->w2_type, brow, t, &wb);
-            decode(job->r_type, rrow, t, &wr);
+            if (rrow) decode(job->r_type, rrow, t, &wr);
             for (int64_t c = 0; c < nc; c++) {
                 const act_block * a = &acts[c * nb + t];
-                __m512 v = block_dot(&wr, a);
-                if (brow) v = _mm512_add_ps(block_dot(&wb, a), v);
+                __m512 v;
+                if (rrow) {
+                    v = block_dot(&wr, a);
+                    if (brow) v = _mm512_add_ps(block_dot(&wb, a), v);
+                } else {
+                    v = block_dot(&wb, a); /* base alone (the fast drafter) */
+                }
                 tot[c] = _mm512_fmadd_ps(_mm512_set1_ps(a->s), v, tot[c]);
             }
         }

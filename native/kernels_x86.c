@@ -512,7 +512,7 @@ TGT_AVX512 static void unpack_rowblock(const bs_job * job, int64_t r0, int64_t k
 }
 
 static bool fast_types(const bs_job * job) {
-    if (job->precision != BITSPLIT_PREC_BF16 || job->K % 32 != 0) {
+    if (job->r == NULL || job->precision != BITSPLIT_PREC_BF16 || job->K % 32 != 0) {
         return false;
     }
     const enum ggml_type r = job->r_type;

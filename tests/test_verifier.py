@@ -74,7 +74,8 @@ def test_f32_split_verifier_equals_source(tmp_path, n_expert):
 def test_disabled_hook_leaves_base_bit_identical(tmp_path):
     _, split = make_f32_split(tmp_path)
     plain = logits_of(split / "base.gguf", n_ctx=128, n_batch=64)
-    with SplitModel(split, n_ctx=128, n_batch=64) as sm:
+    # fast_drafter=False: drafting runs llama.cpp's own kernels, so the logits are the base's bit for bit
+    with SplitModel(split, n_ctx=128, n_batch=64, fast_drafter=False) as sm:
         for _ in range(2):  # the second pass reuses llama.cpp's graph, which the verifier mutated
             sm.ctx.clear()
             with sm.verifying() as ctx:
@@ -85,6 +86,13 @@ def test_disabled_hook_leaves_base_bit_identical(tmp_path):
                 draft = ctx.logits(len(TOKENS)).copy()
             assert np.array_equal(draft, plain)
         assert sm.residual.counters().n_errors == 0
+    # the native drafter computes the same F32 products in another order: equal up to float rounding
+    with SplitModel(split, n_ctx=128, n_batch=64, fast_drafter=True) as sm:
+        with sm.drafting() as ctx:
+            ctx.decode(TOKENS, list(range(len(TOKENS))))
+            draft = ctx.logits(len(TOKENS)).copy()
+        assert sm.residual.counters().n_draft_products > 0
+    assert np.abs(draft - plain).max() < 1e-3 * np.abs(plain).max()
 
 
 def test_verifier_is_deterministic_across_graph_reuse(tmp_path):
@@ -254,3 +262,24 @@ def test_kernel_families_agree_and_are_batch_invariant(tiny_split):
                 assert np.abs(outs["amx-bf16"] - outs["avx512-bf16"]).max() / np.abs(ref).max() < 1e-5
             if "vnni-int24" in outs:
                 assert np.abs(outs["vnni-int24"] - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def test_fast_drafter_computes_the_base_products(tiny_split):
+    """With the residual off, the native integer kernel can compute the base's products (a faster
+    drafter on CPUs); its logits are the base's, up to float rounding, and stock ggml's otherwise."""
+    toks = TOKENS[:20]
+    with SplitModel(tiny_split, n_ctx=128, n_batch=64, fast_drafter=False) as sm:
+        with sm.drafting() as ctx:
+            ctx.decode(toks, list(range(len(toks))))
+            stock = ctx.logits(len(toks)).copy()
+        assert sm.residual.counters().n_draft_products == 0
+    with SplitModel(tiny_split, n_ctx=128, n_batch=64, fast_drafter=True) as sm:
+        with sm.drafting() as ctx:
+            ctx.decode(toks, list(range(len(toks))))
+            fast = ctx.logits(len(toks)).copy()
+        c = sm.residual.counters()
+        assert c.n_draft_products == 15 and c.n_products == 0  # 2 layers x 7 + the output head
+    # ggml rounds activations to 8 bits per 256 values; the integer kernel keeps 24 bits
+    assert np.abs(fast - stock).max() < 0.1 * np.abs(stock).max()
+    assert np.argmax(fast, axis=1).tolist() == np.argmax(stock, axis=1).tolist() or \
+        np.mean(np.argmax(fast, axis=1) == np.argmax(stock, axis=1)) > 0.9
