@@ -1,7 +1,8 @@
 /*
  * Standalone test of the native residual library (C11): loading, every kernel family against an
- * independent reference, counters, the eval callback's replace/add paths on real ggml CPU tensors,
- * and refusal of corrupted residual (and base) files, generated here from the valid split.
+ * independent reference, counters, the eval callback's replace/add/drafter paths on real ggml CPU
+ * tensors, well-formed files with unusual alignment (tensor data at odd addresses), and refusal of
+ * corrupted residual (and base) files, generated here from the valid split.
  *
  *   test_native MODEL_DIR [options]      MODEL_DIR holds base.gguf and residual.gguf
  *     --bad FILE     a residual that must be refused (repeatable)
@@ -10,11 +11,14 @@
  *     --seed N       seed of the random mutations (default 1)
  *     --work DIR     where corrupted copies are written (default: a fresh dir under $TMPDIR or /tmp)
  *     --quick        fewer kernel configurations (threads 1 only)
+ *     --selftest-oob read one byte past a file map and exit 0 (a sanitizer build must stop it)
  *     -v             verbose: ggml's log, per-case lines and measured error ratios
  *
- * Built by native/tests/run_sanitizers.sh with ASan/UBSan; with -DBS_TEST_MALLOC_MAP (and
- * -Wl,--wrap=mmap,--wrap=munmap) the library's read-only file maps become exact-size heap copies,
- * so ASan sees any read past the end of a residual or base file (it cannot see into mmap'd pages).
+ * Built by native/tests/run_sanitizers.sh with ASan/UBSan and -DBS_TEST_HOOKS, linked with
+ * -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits: the library's read-only file maps become
+ * heap copies whose bytes past the end of the file are poisoned, and ggml's dequantizers (not
+ * instrumented) check their input first, so ASan sees any read past the end of a residual or base
+ * file (it cannot see into mmap'd pages).
  * Prints one summary line; exits 1 on any failure.
  */
 #define _GNU_SOURCE
@@ -41,6 +45,10 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "gguf.h"
+
+/* optional API (newer libraries): tested when linked in */
+void bitsplit_ctx_set_draft_kernel(bitsplit_ctx * ctx, bool on);
+#pragma weak bitsplit_ctx_set_draft_kernel
 
 /* ---------------------------------------------------------------------------------------------
  * bookkeeping
@@ -113,14 +121,24 @@ static int count_fds(void) {
  * test build only: the library's read-only maps as exact-size heap copies (see the header)
  * ------------------------------------------------------------------------------------------- */
 
-#ifdef BS_TEST_MALLOC_MAP
+#ifdef BS_TEST_HOOKS
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#else
+#define ASAN_POISON_MEMORY_REGION(a, n) ((void)(a), (void)(n))
+#define ASAN_UNPOISON_MEMORY_REGION(a, n) ((void)(a), (void)(n))
+#endif
 void * __real_mmap(void * addr, size_t len, int prot, int flags, int fd, off_t off);
 int __real_munmap(void * addr, size_t len);
 
-#define MAX_HEAP_MAPS 64
+/* Heap buffers reused from map to map (no page faults per load): the file's bytes at the start of
+ * the buffer, the rest of it poisoned, so a read past the end of the file is an ASan report, and
+ * all of it poisoned once unmapped (use after free of a map). */
+#define MAX_HEAP_MAPS 16
 static struct {
-    void * p;
-    size_t n;
+    unsigned char * p;
+    size_t cap, len;
+    bool used;
 } g_maps[MAX_HEAP_MAPS];
 static pthread_mutex_t g_maps_lock = PTHREAD_MUTEX_INITIALIZER;
 static long g_maps_live;
@@ -129,38 +147,45 @@ void * __wrap_mmap(void * addr, size_t len, int prot, int flags, int fd, off_t o
     if (addr != NULL || prot != PROT_READ || fd < 0 || off != 0 || len == 0) {
         return __real_mmap(addr, len, prot, flags, fd, off);
     }
-    unsigned char * p = malloc(len);
-    if (p == NULL) {
+    pthread_mutex_lock(&g_maps_lock);
+    int slot = -1;
+    for (int i = 0; i < MAX_HEAP_MAPS; i++) { /* a free buffer big enough, else any free one */
+        if (!g_maps[i].used && (slot < 0 || (g_maps[i].cap >= len && g_maps[slot].cap < len))) slot = i;
+    }
+    if (slot < 0) {
+        pthread_mutex_unlock(&g_maps_lock);
         errno = ENOMEM;
         return MAP_FAILED;
     }
+    if (g_maps[slot].cap < len) {
+        if (g_maps[slot].p != NULL) ASAN_UNPOISON_MEMORY_REGION(g_maps[slot].p, g_maps[slot].cap);
+        free(g_maps[slot].p);
+        g_maps[slot].cap = len + len / 4 + 4096;
+        g_maps[slot].p = malloc(g_maps[slot].cap);
+        if (g_maps[slot].p == NULL) {
+            g_maps[slot].cap = 0;
+            pthread_mutex_unlock(&g_maps_lock);
+            errno = ENOMEM;
+            return MAP_FAILED;
+        }
+    }
+    unsigned char * p = g_maps[slot].p;
+    ASAN_UNPOISON_MEMORY_REGION(p, len);
     size_t got = 0;
     while (got < len) {
         ssize_t r = pread(fd, p + got, len - got, (off_t)got);
         if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) { /* a mapping past the end of the file would fault on access: refuse instead */
-            free(p);
+        if (r <= 0) { /* a real map past the end of the file would fault on access: refuse instead */
+            ASAN_POISON_MEMORY_REGION(p, g_maps[slot].cap);
+            pthread_mutex_unlock(&g_maps_lock);
             errno = EIO;
             return MAP_FAILED;
         }
         got += (size_t)r;
     }
-    pthread_mutex_lock(&g_maps_lock);
-    int slot = -1;
-    for (int i = 0; i < MAX_HEAP_MAPS; i++) {
-        if (g_maps[i].p == NULL) {
-            slot = i;
-            break;
-        }
-    }
-    if (slot < 0) {
-        pthread_mutex_unlock(&g_maps_lock);
-        free(p);
-        errno = ENOMEM;
-        return MAP_FAILED;
-    }
-    g_maps[slot].p = p;
-    g_maps[slot].n = len;
+    ASAN_POISON_MEMORY_REGION(p + len, g_maps[slot].cap - len);
+    g_maps[slot].len = len;
+    g_maps[slot].used = true;
     g_maps_live++;
     pthread_mutex_unlock(&g_maps_lock);
     return p;
@@ -169,22 +194,78 @@ void * __wrap_mmap(void * addr, size_t len, int prot, int flags, int fd, off_t o
 int __wrap_munmap(void * addr, size_t len) {
     pthread_mutex_lock(&g_maps_lock);
     for (int i = 0; i < MAX_HEAP_MAPS; i++) {
-        if (g_maps[i].p == addr && addr != NULL) {
-            const size_t n = g_maps[i].n;
-            g_maps[i].p = NULL;
+        if (g_maps[i].used && g_maps[i].p == addr) {
+            const size_t n = g_maps[i].len;
+            g_maps[i].used = false;
             g_maps_live--;
+            ASAN_POISON_MEMORY_REGION(g_maps[i].p, g_maps[i].cap);
             pthread_mutex_unlock(&g_maps_lock);
             CHECK(n == len, "munmap of a heap map with length %zu, mapped with %zu", len, n);
-            free(addr);
             return 0;
         }
     }
     pthread_mutex_unlock(&g_maps_lock);
     return __real_munmap(addr, len);
 }
+
 static long live_maps(void) { return g_maps_live; }
+
+/* The generic family dequantizes through ggml's type traits (libggml-base is not instrumented):
+ * every to_float gets a shim that has ASan check the bytes it is about to read. */
+#if defined(__SANITIZE_ADDRESS__)
+void __asan_loadN(uintptr_t addr, size_t size);
+#define CHECK_READ(p, n) __asan_loadN((uintptr_t)(p), (n))
+#else
+#define CHECK_READ(p, n) ((void)(p), (void)(n))
+#endif
+const struct ggml_type_traits * __real_ggml_get_type_traits(enum ggml_type type);
+#define MAX_TRAITS 64
+static struct ggml_type_traits g_traits[MAX_TRAITS];
+static ggml_to_float_t g_real_to_float[MAX_TRAITS];
+#define SHIM(T)                                                                 \
+    static void shim_##T(const void * x, float * y, int64_t k) {                \
+        CHECK_READ(x, ggml_row_size((enum ggml_type)(T), k));                   \
+        g_real_to_float[T](x, y, k);                                            \
+    }
+#define SHIM8(a) SHIM(a##0) SHIM(a##1) SHIM(a##2) SHIM(a##3) SHIM(a##4) SHIM(a##5) SHIM(a##6) SHIM(a##7)
+SHIM(0) SHIM(1) SHIM(2) SHIM(3) SHIM(4) SHIM(5) SHIM(6) SHIM(7) SHIM(8) SHIM(9)
+SHIM8(1) SHIM(18) SHIM(19) SHIM8(2) SHIM(28) SHIM(29) SHIM8(3) SHIM(38) SHIM(39) SHIM8(4) SHIM(48) SHIM(49)
+SHIM8(5) SHIM(58) SHIM(59) SHIM(60) SHIM(61) SHIM(62) SHIM(63)
+#define REF8(a) shim_##a##0, shim_##a##1, shim_##a##2, shim_##a##3, shim_##a##4, shim_##a##5, shim_##a##6, shim_##a##7
+static const ggml_to_float_t g_shims[MAX_TRAITS] = {
+    shim_0, shim_1, shim_2, shim_3, shim_4, shim_5, shim_6, shim_7, shim_8, shim_9,
+    REF8(1), shim_18, shim_19, REF8(2), shim_28, shim_29, REF8(3), shim_38, shim_39, REF8(4), shim_48, shim_49,
+    REF8(5), shim_58, shim_59, shim_60, shim_61, shim_62, shim_63,
+};
+
+static void install_traits_shims(void) { /* before any thread runs: the table is read-only after */
+    for (int t = 0; t < GGML_TYPE_COUNT && t < MAX_TRAITS; t++) {
+        const struct ggml_type_traits * real = __real_ggml_get_type_traits((enum ggml_type)t);
+        g_traits[t] = *real;
+        g_real_to_float[t] = real->to_float;
+        if (real->to_float != NULL && real->blck_size > 0) g_traits[t].to_float = g_shims[t];
+    }
+}
+
+const struct ggml_type_traits * __wrap_ggml_get_type_traits(enum ggml_type type) {
+    if ((int)type >= 0 && (int)type < GGML_TYPE_COUNT && (int)type < MAX_TRAITS) return &g_traits[type];
+    return __real_ggml_get_type_traits(type);
+}
+
+static void release_maps(void) {
+    for (int i = 0; i < MAX_HEAP_MAPS; i++) {
+        if (g_maps[i].p != NULL && !g_maps[i].used) {
+            ASAN_UNPOISON_MEMORY_REGION(g_maps[i].p, g_maps[i].cap);
+            free(g_maps[i].p);
+            g_maps[i].p = NULL;
+            g_maps[i].cap = 0;
+        }
+    }
+}
 #else
 static long live_maps(void) { return 0; }
+static void release_maps(void) {}
+static void install_traits_shims(void) {}
 #endif
 
 /* ---------------------------------------------------------------------------------------------
@@ -405,6 +486,7 @@ typedef struct {
     int64_t K, N, E; /* row width, rows per matrix, matrices (experts) */
     float * w;       /* f32(W2) + f32(R), E*N rows of K */
     float * ronly;   /* f32(R) */
+    float * bonly;   /* f32(W2) */
 } mtensor;
 
 typedef struct {
@@ -440,11 +522,8 @@ static bool model_open(model * m, const char * dir) {
         const int64_t rows = t->N * t->E;
         t->w = malloc((size_t)(rows * t->K) * sizeof(float));
         t->ronly = malloc((size_t)(rows * t->K) * sizeof(float));
-        float * tmp = malloc((size_t)t->K * sizeof(float));
-        if (t->w == NULL || t->ronly == NULL || tmp == NULL) {
-            free(tmp);
-            return false;
-        }
+        t->bonly = malloc((size_t)(rows * t->K) * sizeof(float));
+        if (t->w == NULL || t->ronly == NULL || t->bonly == NULL) return false;
         const size_t rrb = ggml_row_size((enum ggml_type)t->r->type, t->K);
         const size_t brb = ggml_row_size((enum ggml_type)t->b->type, t->K);
         for (int64_t row = 0; row < rows; row++) {
@@ -452,9 +531,9 @@ static bool model_open(model * m, const char * dir) {
             float * ro = t->ronly + row * t->K;
             deq_row((enum ggml_type)t->b->type, m->base.b + t->b->abs + (size_t)row * brb, w, t->K);
             deq_row((enum ggml_type)t->r->type, m->res.b + t->r->abs + (size_t)row * rrb, ro, t->K);
+            memcpy(t->bonly + row * t->K, w, (size_t)t->K * sizeof(float));
             for (int64_t k = 0; k < t->K; k++) w[k] += ro[k];
         }
-        free(tmp);
     }
     return true;
 }
@@ -463,6 +542,7 @@ static void model_close(model * m) {
     for (int i = 0; i < m->nt; i++) {
         free(m->t[i].w);
         free(m->t[i].ronly);
+        free(m->t[i].bonly);
     }
     free(m->t);
     gfile_close(&m->base);
@@ -919,6 +999,30 @@ static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mte
     }
     CHECK(bitsplit_ctx_set_mode(ctx, BITSPLIT_MODE_AUTO) == BITSPLIT_OK, "set_mode auto");
 
+    /* the fast drafter (where the library has it): residual off, W2 . x computed here */
+    if (bitsplit_ctx_set_draft_kernel != NULL) {
+        bitsplit_ctx_set_enabled(ctx, false);
+        bitsplit_ctx_set_draft_kernel(ctx, true);
+        memset(Y->data, 0, ggml_nbytes(Y));
+        CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_CUSTOM, "%s: drafter not replaced",
+              what);
+        if (run_custom(Y, 1)) {
+            reference(mt->bonly, K, N, x, n_cols, ref, A);
+            const int beff = is_float_type((int)mt->b->type) ? BITSPLIT_PREC_F32 : BITSPLIT_PREC_BF16;
+            double ratio;
+            int64_t where;
+            CHECK(excess((const float *)Y->data, ref, A, N * n_cols, rel_tol(beff), 1e-5, &ratio, &where) <= 0,
+                  "%s: drafter result", what);
+            memcpy(y1, Y->data, (size_t)(N * n_cols) * sizeof(float));
+            run_custom(Y, 2);
+            CHECK(memcmp(Y->data, y1, (size_t)(N * n_cols) * sizeof(float)) == 0, "%s: drafter, 2 threads", what);
+        }
+        bitsplit_ctx_set_draft_kernel(ctx, false);
+        CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_MUL_MAT, "%s: drafter restored", what);
+        CHECK(memcmp(params0, Y->op_params, sizeof(params0)) == 0, "%s: drafter op_params restored", what);
+        bitsplit_ctx_set_enabled(ctx, true);
+    }
+
     /* a graph weight that does not match the residual: refused with a recorded error */
     CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_OK, "%s: no error before mismatch", what);
     CHECK(bitsplit_eval_callback(Yf, true, ctx) == false && Yf->op == GGML_OP_MUL_MAT, "%s: mismatch replaced", what);
@@ -1091,6 +1195,136 @@ static void test_callback(const model * m) {
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * well-formed files with unusual layouts: general.alignment 1..16 (tensor data at odd addresses)
+ * ------------------------------------------------------------------------------------------- */
+
+static void put_bytes(uint8_t * b, size_t * pos, const void * src, size_t n) {
+    memcpy(b + *pos, src, n);
+    *pos += n;
+}
+
+/* f rewritten with general.alignment = align (added, or replaced) and its tensors packed with that
+ * alignment; with `odd`, a padding key makes the data start at an odd offset. Returns the size. */
+static size_t realign(const gfile * f, uint32_t align, bool odd, uint8_t ** out) {
+    size_t data_bytes = 0;
+    for (uint64_t i = 0; i < f->n_tensors; i++) data_bytes += f->ti[i].nbytes + align;
+    const size_t cap = f->header_end + 256 + data_bytes + align;
+    uint8_t * b = calloc(1, cap);
+    const kv_at * old_align = find_kv(f, "general.alignment");
+    for (int pad = 0; pad < 3; pad++) {
+        size_t pos = 0;
+        memcpy(b, f->b, 8); /* magic, version */
+        pos = 8;
+        put_bytes(b, &pos, &f->n_tensors, 8);
+        const uint64_t n_kv = f->n_kv + (old_align ? 0 : 1) + (pad > 0 ? 1 : 0);
+        put_bytes(b, &pos, &n_kv, 8);
+        const size_t kv_end = f->n_tensors > 0 ? f->ti[0].len_pos : f->header_end;
+        put_bytes(b, &pos, f->b + 24, kv_end - 24);
+        if (old_align != NULL) memcpy(b + old_align->val_pos, &align, 4);
+        else {
+            const uint64_t kl = strlen("general.alignment");
+            const uint32_t vt = GGUF_TYPE_UINT32;
+            put_bytes(b, &pos, &kl, 8);
+            put_bytes(b, &pos, "general.alignment", kl);
+            put_bytes(b, &pos, &vt, 4);
+            put_bytes(b, &pos, &align, 4);
+        }
+        if (pad > 0) { /* "t.p" or "t.pp" = u8 0: 16 or 17 bytes */
+            const uint64_t kl = pad == 1 ? 3 : 4;
+            const uint32_t vt = GGUF_TYPE_UINT8;
+            const uint8_t zero = 0;
+            put_bytes(b, &pos, &kl, 8);
+            put_bytes(b, &pos, "t.pp", kl);
+            put_bytes(b, &pos, &vt, 4);
+            put_bytes(b, &pos, &zero, 1);
+        }
+        uint64_t off = 0;
+        for (uint64_t i = 0; i < f->n_tensors; i++) {
+            const ti_at * t = &f->ti[i];
+            put_bytes(b, &pos, f->b + t->len_pos, t->off_pos - t->len_pos);
+            put_bytes(b, &pos, &off, 8);
+            off += (t->nbytes + align - 1) / align * align;
+        }
+        if (odd && align == 1 && pos % 2 == 0 && pad < 2) continue; /* try another padding key */
+        pos = (pos + align - 1) / align * align;
+        for (uint64_t i = 0; i < f->n_tensors; i++) {
+            const ti_at * t = &f->ti[i];
+            put_bytes(b, &pos, f->b + t->abs, t->nbytes);
+            if (i + 1 < f->n_tensors) pos = (pos + align - 1) / align * align;
+        }
+        *out = b;
+        return pos;
+    }
+    *out = b;
+    return 0;
+}
+
+static void test_realigned(const model * m, const char * work, bool quick) {
+    char err[512];
+    bitsplit_ctx * ref_ctx = NULL;
+    if (bitsplit_ctx_load(m->res_path, m->base_path, &ref_ctx, err, sizeof(err)) != BITSPLIT_OK) {
+        CHECK(false, "load for the realigned test: %s", err);
+        return;
+    }
+    float * x = malloc((size_t)MAX_COLS * 2048 * sizeof(float));
+    float * y0 = malloc((size_t)MAX_COLS * 4096 * sizeof(float));
+    float * y1 = malloc((size_t)MAX_COLS * 4096 * sizeof(float));
+    const uint32_t aligns[] = {1, 2, 8, 64};
+    for (size_t ai = 0; ai < sizeof(aligns) / sizeof(aligns[0]); ai++) {
+        for (int which = 0; which < 2; which++) { /* 0: residual realigned, 1: base realigned */
+            const gfile * f = which ? &m->base : &m->res;
+            uint8_t * b = NULL;
+            const size_t n = realign(f, aligns[ai], true, &b);
+            char path[PATH_MAX + 64], what[128];
+            snprintf(path, sizeof(path), "%.4000s/realigned-%s-%u.gguf", work, which ? "base" : "residual", aligns[ai]);
+            snprintf(what, sizeof(what), "%s with general.alignment %u", which ? "base" : "residual", aligns[ai]);
+            CHECK(n > 0 && write_all(path, b, n), "%s: cannot write", what);
+            free(b);
+            gfile g;
+            const bool parsed = gfile_open(&g, path);
+            CHECK(parsed && g.alignment == aligns[ai] && (aligns[ai] != 1 || g.data_offset % 2 == 1),
+                  "%s: the rewritten file has alignment %zu, data at %zu", what, g.alignment, g.data_offset);
+            vlog("  %s: data at offset %zu\n", what, g.data_offset);
+            gfile_close(&g);
+            bitsplit_ctx * ctx = NULL;
+            const int st = which ? bitsplit_ctx_load(m->res_path, path, &ctx, err, sizeof(err))
+                                 : bitsplit_ctx_load(path, m->base_path, &ctx, err, sizeof(err));
+            CHECK(st == BITSPLIT_OK, "%s: refused: %s", what, err);
+            if (st == BITSPLIT_OK) {
+                /* the same tensors: the same products, bit for bit, in every family */
+                for (int fi = 0; fi < N_FAMILIES; fi++) {
+                    if (!g_family_ok[fi]) continue;
+                    bitsplit_ctx_set_kernel(ref_ctx, FAMILIES[fi]);
+                    bitsplit_ctx_set_kernel(ctx, FAMILIES[fi]);
+                    for (int ti = 0; ti < m->nt; ti++) {
+                        const mtensor * t = &m->t[ti];
+                        if (t->E != 1 || t->K > 2048 || t->N > 4096) continue;
+                        /* at F32 precision every family runs the generic one: once is enough */
+                        if (fi > 0 && effective_precision(BITSPLIT_PREC_AUTO, t) == BITSPLIT_PREC_F32) continue;
+                        for (int ci = 0; ci < (quick ? 1 : 2); ci++) {
+                            const int nc = quick ? 17 : ci ? 40 : 3;
+                            make_x(x, nc * t->K, (uint64_t)ti + 7);
+                            const int s0 = bitsplit_ctx_matmul(ref_ctx, t->r->name, x, nc, y0, true);
+                            const int s1 = bitsplit_ctx_matmul(ctx, t->r->name, x, nc, y1, true);
+                            CHECK(s0 == BITSPLIT_OK && s1 == BITSPLIT_OK &&
+                                      memcmp(y0, y1, (size_t)nc * t->N * sizeof(float)) == 0,
+                                  "%s: %s family %s cols %d differs from the original layout", what, t->r->name,
+                                  FAMILIES[fi], nc);
+                        }
+                    }
+                }
+                bitsplit_ctx_free(ctx);
+            }
+            unlink(path);
+        }
+    }
+    free(x);
+    free(y0);
+    free(y1);
+    bitsplit_ctx_free(ref_ctx);
+}
+
+/* ---------------------------------------------------------------------------------------------
  * corrupted files
  * ------------------------------------------------------------------------------------------- */
 
@@ -1155,9 +1389,57 @@ static void try_case(const char * res, const char * base, bool strict, const cha
     vlog("  refused (%d): %s: %s\n", st, what, err);
 }
 
+/* The case file is rewritten only where it differs from the previous case (most cases change a
+ * few header bytes of a file of megabytes). */
+static uint8_t * g_prev;
+static size_t g_prev_n;
+static bool g_prev_ok;
+
+static bool update_case_file(const uint8_t * b, size_t n) {
+    if (!g_prev_ok) {
+        free(g_prev);
+        g_prev = malloc(n ? n : 1);
+        if (g_prev == NULL || !write_all(g_case_path, b, n)) return false;
+        memcpy(g_prev, b, n);
+        g_prev_n = n;
+        g_prev_ok = true;
+        return true;
+    }
+    const size_t common = n < g_prev_n ? n : g_prev_n;
+    size_t lo = 0, hi = common;
+    /* memcmp over chunks first: byte loops are slow under ASan */
+    while (lo + 4096 <= common && memcmp(b + lo, g_prev + lo, 4096) == 0) lo += 4096;
+    while (lo < common && b[lo] == g_prev[lo]) lo++;
+    while (hi >= lo + 4096 && memcmp(b + hi - 4096, g_prev + hi - 4096, 4096) == 0) hi -= 4096;
+    while (hi > lo && b[hi - 1] == g_prev[hi - 1]) hi--;
+    int fd = open(g_case_path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    bool ok = true;
+    if (hi > lo) ok = pwrite(fd, b + lo, hi - lo, (off_t)lo) == (ssize_t)(hi - lo);
+    if (ok && n > g_prev_n) ok = pwrite(fd, b + g_prev_n, n - g_prev_n, (off_t)g_prev_n) == (ssize_t)(n - g_prev_n);
+    if (ok && n != g_prev_n) ok = ftruncate(fd, (off_t)n) == 0;
+    ok = (close(fd) == 0) && ok;
+    if (!ok) {
+        g_prev_ok = false;
+        return false;
+    }
+    if (n > g_prev_n) {
+        uint8_t * p = realloc(g_prev, n);
+        if (p == NULL) {
+            g_prev_ok = false;
+            return true; /* the file is right; the copy is rebuilt next time */
+        }
+        g_prev = p;
+    }
+    memcpy(g_prev + lo, b + lo, hi > lo ? hi - lo : 0);
+    if (n > g_prev_n) memcpy(g_prev + g_prev_n, b + g_prev_n, n - g_prev_n);
+    g_prev_n = n;
+    return true;
+}
+
 /* write `b` with the mutation applied to the case file and try it as residual (or base) */
 static void run_bytes(const model * m, const uint8_t * b, size_t n, bool as_base, bool strict, const char * what) {
-    if (!write_all(g_case_path, b, n)) {
+    if (!update_case_file(b, n)) {
         CHECK(false, "cannot write %s", g_case_path);
         return;
     }
@@ -1173,10 +1455,28 @@ typedef struct {
     size_t n;
 } buf_t;
 
+/* one reusable buffer for the copies (a fresh multi-megabyte allocation per case is slow under ASan) */
+static uint8_t * g_scratch;
+static size_t g_scratch_cap;
+
 static buf_t copy_of(const gfile * f) {
-    buf_t c = {malloc(f->n), f->n};
+    if (g_scratch_cap < f->n) {
+        free(g_scratch);
+        g_scratch = malloc(f->n);
+        g_scratch_cap = g_scratch ? f->n : 0;
+    }
+    buf_t c = {g_scratch, f->n};
+    if (c.b == NULL) {
+        fprintf(stderr, "test_native: out of memory\n");
+        exit(1);
+    }
     memcpy(c.b, f->b, f->n);
     return c;
+}
+
+static void done_with(buf_t * c) {
+    if (c->b != g_scratch) free(c->b);
+    c->b = NULL;
 }
 
 static void put(buf_t * c, size_t pos, uint64_t v, int bytes) {
@@ -1196,7 +1496,7 @@ static void field(const model * m, const gfile * f, bool as_base, size_t pos, in
     buf_t c = copy_of(f);
     put(&c, pos, v, bytes);
     run_bytes(m, c.b, c.n, as_base, strict, what);
-    free(c.b);
+    done_with(&c);
 }
 
 static void test_corrupt(const model * m, int n_flips, uint64_t seed) {
@@ -1301,7 +1601,7 @@ static void test_corrupt(const model * m, int n_flips, uint64_t seed) {
                 memcpy(c.b + t->name_pos, r->ti[j].name, t->name_len);
                 snprintf(what, sizeof(what), "tensor '%s' renamed to '%s' (duplicate)", nm, r->ti[j].name);
                 run_bytes(m, c.b, c.n, false, true, what);
-                free(c.b);
+                done_with(&c);
                 break;
             }
         }
@@ -1326,7 +1626,7 @@ static void test_corrupt(const model * m, int n_flips, uint64_t seed) {
                 put(&c, t->dims_pos + 8, (uint64_t)t->ne[0], 8);
                 snprintf(what, sizeof(what), "'%s' dims swapped", nm);
                 run_bytes(m, c.b, c.n, false, true, what);
-                free(c.b);
+                done_with(&c);
             }
         }
         const uint64_t bad_type[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_Q6_K,
@@ -1384,7 +1684,7 @@ static void test_corrupt(const model * m, int n_flips, uint64_t seed) {
             memcpy(nbuf, c.b, pos);
             nbuf[pos] = (uint8_t)rnd();
             memcpy(nbuf + pos + 1, c.b + pos, c.n - pos);
-            free(c.b);
+            done_with(&c);
             c.b = nbuf;
             n = c.n + 1;
             snprintf(what, sizeof(what), "byte inserted at %zu (#%d)", pos, i);
@@ -1409,7 +1709,7 @@ static void test_corrupt(const model * m, int n_flips, uint64_t seed) {
             snprintf(what, sizeof(what), "random data damage #%d (%d bytes)", i, nb);
         }
         run_bytes(m, c.b, n, false, false, what);
-        free(c.b);
+        done_with(&c);
     }
     vlog("  random damage done (%.2fs)\n", now_s() - t0);
 }
@@ -1420,7 +1720,7 @@ static void test_corrupt(const model * m, int n_flips, uint64_t seed) {
 
 static void usage(void) {
     fprintf(stderr, "usage: test_native MODEL_DIR [--bad FILE]... [--any FILE]... [--flips N] [--seed N] [--work DIR] "
-                    "[--quick] [-v]\n");
+                    "[--quick] [--selftest-oob] [-v]\n");
 }
 
 int main(int argc, char ** argv) {
@@ -1431,7 +1731,7 @@ int main(int argc, char ** argv) {
     const char * any[256];
     int n_bad = 0, n_any = 0, n_flips = 1500;
     uint64_t seed = 1;
-    bool quick = false;
+    bool quick = false, selftest_oob = false;
     for (int i = 1; i < argc; i++) {
         const char * a = argv[i];
         if ((strcmp(a, "--bad") == 0 || strcmp(a, "--any") == 0) && i + 1 < argc) {
@@ -1444,6 +1744,8 @@ int main(int argc, char ** argv) {
             seed = strtoull(argv[++i], NULL, 10);
         } else if (strcmp(a, "--work") == 0 && i + 1 < argc) {
             work_arg = argv[++i];
+        } else if (strcmp(a, "--selftest-oob") == 0) {
+            selftest_oob = true;
         } else if (strcmp(a, "--quick") == 0) {
             quick = true;
         } else if (strcmp(a, "-v") == 0) {
@@ -1460,6 +1762,24 @@ int main(int argc, char ** argv) {
         return 2;
     }
     ggml_log_set(quiet_log, NULL);
+    install_traits_shims();
+    if (selftest_oob) {
+        /* for run_sanitizers.sh: a read one byte past a file map must be reported (exit non-zero) */
+        char path[PATH_MAX];
+        snprintf(path, sizeof(path), "%.4000s/residual.gguf", dir);
+        const int fd = open(path, O_RDONLY | O_CLOEXEC);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) != 0) return 2;
+        const unsigned char * p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) return 2;
+        volatile unsigned char c = p[st.st_size]; /* past the end: ASan must stop here */
+        (void)c;
+        munmap((void *)p, (size_t)st.st_size);
+        close(fd);
+        release_maps();
+        printf("test_native: selftest-oob: a read past the end of a map was NOT detected\n");
+        return 0;
+    }
 
     model m;
     if (!model_open(&m, dir)) {
@@ -1496,6 +1816,7 @@ int main(int argc, char ** argv) {
     const double t_products = now_s() - t;
     t = now_s();
     test_callback(&m);
+    test_realigned(&m, work, quick);
     const double t_callback = now_s() - t;
     t = now_s();
     test_corrupt(&m, n_flips, seed);
@@ -1507,6 +1828,9 @@ int main(int argc, char ** argv) {
     CHECK(live_maps() == 0, "%ld file maps not released", live_maps());
 
     unlink(g_case_path);
+    free(g_prev);
+    free(g_scratch);
+    release_maps();
     if (own_work) rmdir(work);
 
     char fams[128] = "";
@@ -1530,7 +1854,7 @@ int main(int argc, char ** argv) {
     model_close(&m);
     printf("test_native: %s: %s: %ld checks, %ld failures; families %s; corrupt files: %ld must-refuse refused, "
            "%ld wrongly accepted, %ld random (%ld accepted and usable, %ld refused); "
-           "%.1fs (products %.1fs, callback %.1fs, corrupt %.1fs)\n",
+           "%.1fs (products %.1fs, callback+layouts %.1fs, corrupt %.1fs)\n",
            g_failures ? "FAIL" : "PASS", dir, g_checks, g_failures, fams, g_cs.strict_refused, g_cs.strict_accepted,
            g_cs.lenient_accepted + g_cs.lenient_refused, g_cs.lenient_accepted, g_cs.lenient_refused,
            now_s() - t_start, t_products, t_callback, t_corrupt);
