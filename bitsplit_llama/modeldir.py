@@ -101,6 +101,12 @@ def check_pair(base: GGUFFile, res: GGUFFile, *, check_fingerprint: bool = True)
             f"{res.path}: residual was not made from this base {base.path} (base fingerprint differs): "
             "split the source again"
         )
+    expected_count = res.kv.get("bitsplit.tensor_count")
+    if expected_count is not None and expected_count != len(res.tensors):
+        raise MismatchError(
+            f"{res.path}: residual holds {len(res.tensors)} tensors but was written with {expected_count}: "
+            "the file is damaged; split the source again"
+        )
     for rt in res.tensors:
         if rt.name not in base:
             raise MismatchError(f"{res.path}: tensor '{rt.name}' has no weight of that name in the base {base.path}")

@@ -411,6 +411,7 @@ def _write_residual(path: Path, src: GGUFFile, base: GGUFFile, plan: list[Residu
     if isinstance(src.kv.get("general.name"), str):
         kv.add_string("bitsplit.source.name", src.kv["general.name"])
     kv.add_uint32("bitsplit.fallback_count", sum(r.fallback for r in plan))
+    kv.add_uint32("bitsplit.tensor_count", len(plan))
     kv.add_string("bitsplit.imatrix", imatrix.name if imatrix else "")
     for r in plan:
         w.add_tensor_info(r.name, r.shape, r.residual_type)

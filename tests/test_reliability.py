@@ -90,6 +90,13 @@ def bad_dirs(tmp_path_factory, tiny_split, tiny_f32):
         patch(raw, off)
         (d / "residual.gguf").write_bytes(bytes(raw))
         cases[label] = (d, GGUFFormatError, "blk.0.ffn_up.weight")
+    # the header claims one tensor fewer than the split wrote (damage a parser cannot see by itself)
+    d = _copy_split(tiny_split, root / "residual-missing-tensor")
+    raw = bytearray((d / "residual.gguf").read_bytes())
+    (n,) = struct.unpack_from("<Q", raw, 8)
+    struct.pack_into("<Q", raw, 8, n - 1)
+    (d / "residual.gguf").write_bytes(bytes(raw))
+    cases["residual-missing-tensor"] = (d, MismatchError, f"holds {n - 1} tensors but was written with {n}")
     # a residual of an unsupported type (Q4_0)
     d = _copy_split(tiny_split, root / "unsupported-type")
     with GGUFFile(d / "base.gguf") as b, GGUFFile(tiny_split / "residual.gguf") as r:
@@ -113,7 +120,7 @@ def bad_dirs(tmp_path_factory, tiny_split, tiny_f32):
 
 BAD = ["missing-dir", "file-not-dir", "empty-dir", "base-empty", "base-not-gguf", "base-truncated",
        "residual-truncated", "residual-other-model", "residual-other-base", "other-architecture", "absurd-dims",
-       "offset-past-end", "unknown-type", "unsupported-type"]
+       "offset-past-end", "unknown-type", "unsupported-type", "residual-missing-tensor"]
 
 
 @pytest.mark.parametrize("case", BAD)
