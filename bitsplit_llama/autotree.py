@@ -68,7 +68,7 @@ def _interp(table: dict[int, float], x: int) -> float:
     return table[b] + (table[b] - table[a]) * (x - b) / (b - a)
 
 
-def _machine_key(threads: int) -> str:
+def _machine_key(threads: int, setup: str = "") -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -80,13 +80,16 @@ def _machine_key(threads: int) -> str:
         pass
     from . import __version__
 
-    return hashlib.sha256(f"{cpu}|{os.cpu_count()}|{threads}|{__version__}|{PROFILE_VERSION}".encode()).hexdigest()[:12]
+    key = f"{cpu}|{os.cpu_count()}|{threads}|{__version__}|{PROFILE_VERSION}|{setup}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def cache_path(base_fingerprint: str, threads: int) -> Path:
+def cache_path(base_fingerprint: str, threads: int, setup: str = "") -> Path:
+    """Where a profile is cached: per base, machine, thread count and ``setup`` (anything else that
+    changes pass times: the native library's build, GPU layers, the drafter)."""
     from .fetch import cache_dir
 
-    return cache_dir() / "autotree" / f"{base_fingerprint[:16]}-{_machine_key(threads)}.json"
+    return cache_dir() / "autotree" / f"{base_fingerprint[:16]}-{_machine_key(threads, setup)}.json"
 
 
 def expected(shape: TreeShape, prof: Profile) -> tuple[float, float]:
@@ -196,8 +199,9 @@ def measure(gen, log: Callable[[str], None] | None = None) -> Profile:
     return Profile(verify_ms, draft_ms, rank_probs, plain_ms)
 
 
-def load_or_measure(gen, fingerprint: str, threads: int, log: Callable[[str], None] | None = None) -> Profile:
-    path = cache_path(fingerprint, threads)
+def load_or_measure(gen, fingerprint: str, threads: int, log: Callable[[str], None] | None = None,
+                    setup: str = "") -> Profile:
+    path = cache_path(fingerprint, threads, setup)
     if path.exists():
         try:
             d = json.loads(path.read_text())

@@ -101,7 +101,7 @@ def _worker(cfg: dict) -> None:
         from .sampling import SamplingParams
 
         gen = Generator(cfg["path"], n_ctx=n_ctx, n_threads=threads, tree_nodes=cfg["tree_nodes"],
-                        kernel=cfg.get("kernel"))
+                        kernel=cfg.get("kernel"), drafter=cfg.get("drafter", "auto"))
 
         def generate(req):
             sp = SamplingParams(temperature=req["temp"], seed=req["seed"])
@@ -118,6 +118,7 @@ def _worker(cfg: dict) -> None:
             st = res[0].stats if res else None
             extra = st.to_json() if st else {}
             extra["kernel"] = gen.kernel
+            extra["drafter"] = "native" if gen.sm.fast_drafter else "llama.cpp"
             extra["shape"] = [gen.shape.nodes, gen.shape.width, gen.shape.rounds]
             return n, t_first, t_last, extra
 
@@ -212,7 +213,7 @@ class BenchReport:
             "speedup_vs": round(med / vmed, 4) if vmed else 0.0,
             "median_pair_ratio": round(statistics.median(self.per_prompt_ratio), 4) if self.per_prompt_ratio else 0.0,
             "accepted_per_verify": round(tot["n_tokens"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
-            "tree_nodes": self.tree_nodes, "tree_shape": last.get("shape"), "kernel": last.get("kernel"),
+            "tree_nodes": self.tree_nodes, "tree_shape": last.get("shape"), "kernel": last.get("kernel"), "drafter": last.get("drafter"),
             "time_split": {"draft": round(tot["draft_seconds"] / gen, 4), "verify": round(tot["verify_seconds"] / gen, 4),
                            "residual": round(tot["residual_seconds"] / gen, 4),
                            "draft_python": round((tot["draft_seconds"] - tot["draft_decode_seconds"]) / gen, 4),
@@ -247,7 +248,7 @@ def load_prompts(path: str | os.PathLike[str] | None) -> list[str]:
 def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, prompts: list[str] | None = None,
               n_predict: int = 128, temp: float = 0.0, threads: int | None = None, repeat: int = 1,
               tree_nodes: int | str = "auto", n_ctx: int = 2048, kernel: str | None = None,
-              log: Callable[[str], None] | None = None) -> BenchReport:
+              drafter: str = "auto", log: Callable[[str], None] | None = None) -> BenchReport:
     from .gguf_file import check_readable_file
     from .modeldir import validate_split
     from .runtime import default_threads
@@ -260,6 +261,10 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
         raise InvalidOptionError(f"--repeat: {repeat} is not a positive integer")
     if temp < 0:
         raise InvalidOptionError(f"--temp: {temp} is negative")
+    from .generate import DRAFTERS
+
+    if drafter not in DRAFTERS:
+        raise InvalidOptionError(f"--drafter: {drafter!r} is not one of {', '.join(DRAFTERS)}")
     threads = threads or default_threads()
     prompts = prompts or list(DEFAULT_PROMPTS)
     say = log or (lambda s: None)
@@ -269,7 +274,7 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
     stock = _Side({"side": "stock", "path": str(vs), "n_ctx": n_ctx, "threads": threads})
     try:
         bit = _Side({"side": "bitsplit", "path": str(model_dir), "n_ctx": n_ctx, "threads": threads,
-                     "tree_nodes": tree_nodes, "kernel": kernel})
+                     "tree_nodes": tree_nodes, "kernel": kernel, "drafter": drafter})
         try:
             warm = {"prompt": prompts[0], "n": 8, "temp": temp, "seed": 1}
             stock.run(warm)

@@ -165,6 +165,8 @@ def run(
     threads: Optional[int] = typer.Option(None, "--threads", "-t"),
     no_spec: bool = typer.Option(False, "--no-spec", help="Decode with the verifier alone, one token per step."),
     precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
+    drafter: str = typer.Option("auto", "--drafter",
+                                help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
     verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's log."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, statistics)."),
 ) -> None:
@@ -183,7 +185,7 @@ def run(
         raise InvalidOptionError(f"--n-gpu-layers: {n_gpu_layers} is negative")
     results = []
     with Generator(model_dir, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, tree_nodes=nodes,
-                   precision=precision, verbose=verbose, log=_say) as gen:
+                   precision=precision, verbose=verbose, drafter=drafter, log=_say) as gen:
         if gen.auto_choice:
             _say(f"tree: {gen.shape.nodes} nodes (width {gen.shape.width}, {gen.shape.rounds} rounds), chosen for this "
                  f"machine: expected {gen.auto_choice['expected_tokens_per_second']} tokens/s")
@@ -304,6 +306,8 @@ def bench(
     repeat: int = typer.Option(1, "--repeat"),
     tree_nodes: str = typer.Option("auto", "--tree-nodes"),
     kernel: Optional[str] = typer.Option(None, "--kernel", help="Native kernel family for decode passes (default: by tree size)."),
+    drafter: str = typer.Option("auto", "--drafter",
+                                help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of the runs."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON line."),
@@ -315,7 +319,7 @@ def bench(
         raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
     rep = run_bench(model_dir, vs, prompts=load_prompts(prompts), n_predict=n_predict, temp=temp, threads=threads,
                     repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
-                    log=None if quiet or as_json else _say)
+                    drafter=drafter, log=None if quiet or as_json else _say)
     s = rep.summary()
     if plot_path is not None:
         plot(rep, plot_path)
@@ -332,7 +336,7 @@ def bench(
     t.add_row("tokens/s (median)", f"{s['vs_tokens_per_second']:.2f}", f"{s['tokens_per_second']:.2f}")
     t.add_row("ratio", "1.00", f"{s['speedup_vs']:.2f}x (median of pairs {s['median_pair_ratio']:.2f}x)")
     t.add_row("tokens per verify", "1", f"{s['accepted_per_verify']:.2f}")
-    t.add_row("tree (nodes, width, rounds)", "-", str(s["tree_shape"]))
+    t.add_row("tree (nodes, width, rounds); drafter", "-", f"{s['tree_shape']}; {s['drafter']}")
     t.add_row("peak RSS", _fmt_bytes(s["vs_peak_rss_bytes"]), _fmt_bytes(s["peak_rss_bytes"]))
     ts = s["time_split"]
     t.add_row("time: draft / verify / other", "-",

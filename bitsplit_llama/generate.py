@@ -36,22 +36,28 @@ class Result:
         return d
 
 
+DRAFTERS = ("auto", "native", "llama.cpp")
+
+
 class Generator:
     """A split model ready to generate. ``tree_nodes=0`` decodes with the verifier alone."""
 
     def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, tree_nodes: int | str = 16, shape: TreeShape | None = None,
                  precision: str = "auto", verbose: bool = False, n_batch: int = 512, kernel: str | None = None,
-                 log=None):
+                 drafter: str = "auto", log=None):
         auto = shape is None and tree_nodes == "auto"
         if not auto and shape is None and not isinstance(tree_nodes, int):
             raise InvalidOptionError(f"--tree-nodes: {tree_nodes!r} is neither 'auto' nor a non-negative integer")
         self.shape = shape or (TreeShape(0, 1, 1) if auto else TreeShape.for_nodes(tree_nodes))
         self.shape.validate()
+        if drafter not in DRAFTERS:
+            raise InvalidOptionError(f"--drafter: {drafter!r} is not one of {', '.join(DRAFTERS)}")
         room = TreeShape(24, 4, 10) if auto else self.shape  # the largest an automatic choice may use
         self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, room.nodes + 8),
                              n_seq_max=n_seq_max_for(room), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                             precision=precision, verbose=verbose)
+                             precision=precision, verbose=verbose,
+                             fast_drafter=None if drafter == "auto" else drafter == "native")
         self.auto_choice = None
         if auto:
             from . import autotree
@@ -60,7 +66,10 @@ class Generator:
             self.engine = Engine(self.sm, self.shape)
             with GGUFFile(self.sm.residual.residual_path, role="residual") as rg:
                 fp = str(rg.kv.get("bitsplit.base_fingerprint", ""))
-            prof = autotree.load_or_measure(self, fp, self.sm.ctx.n_threads, log)
+            from .native import build_key
+
+            setup = f"{build_key()[0]}|ngl={n_gpu_layers}|native_drafter={self.sm.fast_drafter}"
+            prof = autotree.load_or_measure(self, fp, self.sm.ctx.n_threads, log, setup)
             self.shape, best_tps, table = autotree.choose(prof)
             fixed16 = next((r for r in table if (r[0].nodes, r[0].width, r[0].rounds) == (16, 4, 7)), None)
             self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],

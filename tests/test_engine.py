@@ -44,6 +44,21 @@ def test_greedy_speculative_equals_verifier_alone_quantized(tiny_split):
         assert g.last_stats.n_verify < 64
 
 
+def test_either_drafter_gives_the_verifiers_tokens(tiny_split):
+    """The drafter (native integer kernel or llama.cpp's own) changes what is proposed, never what is
+    emitted."""
+    out = {}
+    for drafter in ("native", "llama.cpp"):
+        with Generator(tiny_split, n_ctx=512, tree_nodes=8, drafter=drafter) as g:
+            assert g.sm.fast_drafter == (drafter == "native")
+            out[drafter] = [g.generate(p, max_tokens=48).tokens for p in PROMPTS]
+            counters = g.sm.residual.counters()
+            assert (counters.n_draft_products > 0) == (drafter == "native")
+            plain = [g.generate(p, max_tokens=48, speculative=False).tokens for p in PROMPTS]
+        assert out[drafter] == plain
+    assert out["native"] == out["llama.cpp"]
+
+
 def test_same_seed_same_sample(tiny_split):
     sp = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
     with Generator(tiny_split, n_ctx=256, tree_nodes=8) as g:

@@ -179,6 +179,8 @@ OPTION_CASES = [
      "prompt has"),
     (["run", "{split}", "-p", "x", "--threads", "0"], 2, "--threads: 0"),
     (["run", "{split}", "-p", "x", "--precision", "fp8"], 2, "precision"),
+    (["run", "{split}", "-p", "x", "--drafter", "gpu"], 2, "--drafter: 'gpu'"),
+    (["bench", "{split}", "--vs", "{src}", "--drafter", "gpu"], 2, "--drafter: 'gpu'"),
     (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/nope.txt"], 1, "text file not found"),
     (["eval", "{split}", "--reference", "{tmp}/nope.gguf", "--text", "{tmp}/t.txt"], 1, "reference file not found"),
     (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/t.txt", "--vs", "{tmp}/nope.gguf"], 1,
