@@ -647,49 +647,42 @@ static const uint8_t * base_rows(const bs_entry * e, const struct ggml_tensor * 
     return e->base_data;
 }
 
-static void op_mul_mat(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const bs_entry * e = userdata;
+/* (W2 + R) . x, or W2 . x alone for the fast drafter (the residual is off) */
+static void mul_mat(struct ggml_tensor * dst, int ith, int nth, const bs_entry * e, bool base_only) {
     bitsplit_ctx * ctx = e->ctx;
     const struct ggml_tensor * w = dst->src[0];
     const struct ggml_tensor * x = dst->src[1];
     const uint64_t t0 = ith == 0 ? bs_now_ns() : 0;
     bs_job job;
     fill_job(&job, e, base_rows(e, w), 0, e->ne[1]);
+    if (base_only) {
+        job.r = NULL;
+    }
     job.x = (const float *)x->data;
     job.ldx = e->ne[0];
     job.n_cols = ggml_nrows(x);
     job.y = (float *)dst->data;
     job.ldy = e->ne[1];
-    job.precision = resolve_precision(ctx, e->base_type, e->res_type);
+    job.precision = resolve_precision(ctx, e->base_type, base_only ? e->base_type : e->res_type);
     job.acts = ctx->acts;
     run_job(ctx, &job, ith, nth);
-    if (ith == 0) {
+    if (ith != 0) {
+        return;
+    }
+    if (base_only) {
+        atomic_fetch_add(&ctx->c_draft, 1);
+        atomic_fetch_add(&ctx->c_ns_draft, bs_now_ns() - t0);
+    } else {
         count_job(ctx, &job, t0, false);
     }
 }
 
-/* the fast drafter: W2 . x alone (the residual is off) */
+static void op_mul_mat(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    mul_mat(dst, ith, nth, userdata, false);
+}
+
 static void op_mul_mat_base(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const bs_entry * e = userdata;
-    bitsplit_ctx * ctx = e->ctx;
-    const struct ggml_tensor * w = dst->src[0];
-    const struct ggml_tensor * x = dst->src[1];
-    const uint64_t t0 = ith == 0 ? bs_now_ns() : 0;
-    bs_job job;
-    fill_job(&job, e, base_rows(e, w), 0, e->ne[1]);
-    job.r = NULL;
-    job.x = (const float *)x->data;
-    job.ldx = e->ne[0];
-    job.n_cols = ggml_nrows(x);
-    job.y = (float *)dst->data;
-    job.ldy = e->ne[1];
-    job.precision = resolve_precision(ctx, e->base_type, e->base_type);
-    job.acts = ctx->acts;
-    run_job(ctx, &job, ith, nth);
-    if (ith == 0) {
-        atomic_fetch_add(&ctx->c_draft, 1);
-        atomic_fetch_add(&ctx->c_ns_draft, bs_now_ns() - t0);
-    }
+    mul_mat(dst, ith, nth, userdata, true);
 }
 
 static void op_get_rows(struct ggml_tensor * dst, int ith, int nth, void * userdata) {

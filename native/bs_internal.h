@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "ggml.h"
 
@@ -72,5 +73,18 @@ void * bs_scratch_get(bs_scratch * s, size_t size);
 void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k);
 bool bs_type_readable(enum ggml_type type);
 uint64_t bs_now_ns(void);
+
+/* Q3_K's sixteen 6-bit scales, packed in 12 bytes, as signed bytes still offset by 32 */
+static inline void bs_q3k_scales(const uint8_t * s12, int8_t out[16]) {
+    uint32_t aux[4];
+    memcpy(aux, s12, 12);
+    const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+    const uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+    aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+    aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+    aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+    memcpy(out, aux, 16);
+}
 
 #endif

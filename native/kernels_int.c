@@ -147,21 +147,9 @@ TGT static void dec_q2_K(const uint8_t * b, wblock * w) {
     }
 }
 
-static void q3k_scales_i(const uint8_t * s12, int8_t out[16]) {
-    uint32_t aux[4];
-    memcpy(aux, s12, 12);
-    const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
-    const uint32_t tmp = aux[2];
-    aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
-    aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
-    aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
-    aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
-    memcpy(out, aux, 16);
-}
-
 TGT static void dec_q3_K(const uint8_t * b, wblock * w) {
     int8_t sc[16];
-    q3k_scales_i(b + 96, sc);
+    bs_q3k_scales(b + 96, sc);
     const float d = h2f(b + 108);
     const __m512 D16 = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_sub_epi32(
         _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)), _mm512_set1_epi32(32))));

@@ -116,23 +116,11 @@ TGT_AVX512 static void deq_q2_K(const uint8_t * b, float * out) {
     }
 }
 
-static void q3k_scales(const uint8_t * s12, int8_t out[16]) {
-    uint32_t aux[4];
-    memcpy(aux, s12, 12);
-    const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
-    const uint32_t tmp = aux[2];
-    aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
-    aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
-    aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
-    aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
-    memcpy(out, aux, 16);
-}
-
 TGT_AVX512 static void deq_q3_K(const uint8_t * b, float * out) {
     const uint8_t * hm = b;
     const uint8_t * qs = b + 32;
     int8_t sc[16];
-    q3k_scales(b + 96, sc);
+    bs_q3k_scales(b + 96, sc);
     const float d = h2f(b + 108);
     const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     const __m256i h = _mm256_loadu_si256((const __m256i *)hm);
@@ -347,7 +335,7 @@ TGT_AVX512 static void bf16_q3_K(const uint8_t * row, int64_t k0, int64_t n_el, 
     for (int64_t sb = 0; sb < n_el / QK; sb++) {
         const uint8_t * b = row + (size_t)(k0 / QK + sb) * 110;
         int8_t sc[16];
-        q3k_scales(b + 96, sc);
+        bs_q3k_scales(b + 96, sc);
         const float d = h2f(b + 108);
         const __m512 D = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_sub_epi32(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)), _mm512_set1_epi32(32))));
@@ -673,6 +661,28 @@ TGT_AVX512 static void amx_prepare_acts(const bs_job * job, int64_t c0, int64_t 
     }
 }
 
+/* accumulator tiles 0..ng-1 (columns c0 + 16 * tile ...) -> y rows [r0, r0 + rows) */
+TGT_AMX static void store_tiles(const bs_job * job, int64_t r0, int64_t rows, int64_t c0, int64_t ng, float * ctmp) {
+    for (int64_t gi = 0; gi < ng; gi++) {
+        switch (gi) {
+            case 0: _tile_stored(0, ctmp, 64); break;
+            case 1: _tile_stored(1, ctmp, 64); break;
+            case 2: _tile_stored(2, ctmp, 64); break;
+            default: _tile_stored(3, ctmp, 64); break;
+        }
+        const int64_t cbase = c0 + gi * 16;
+        const int64_t ncol = job->n_cols - cbase < 16 ? job->n_cols - cbase : 16;
+        for (int64_t j = 0; j < ncol; j++) {
+            float * y = job->y + (cbase + j) * job->ldy + r0;
+            if (job->accumulate) {
+                for (int64_t i = 0; i < rows; i++) y[i] += ctmp[i * 16 + j];
+            } else {
+                for (int64_t i = 0; i < rows; i++) y[i] = ctmp[i * 16 + j];
+            }
+        }
+    }
+}
+
 /* GCC 12 drops the stores that fill a tile config passed to _tile_loadconfig (seen in llama.cpp's
  * AMX code); an asm memory operand keeps them. */
 TGT_AMX static inline void load_cfg(const tile_cfg * c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c) : "memory"); }
@@ -707,24 +717,7 @@ TGT_AMX static void amx_block_product(const bs_job * job, const uint16_t * abuf,
             if (ng > 3) { BS_GROUP(3, 7, 3) }
 #undef BS_GROUP
         }
-        for (int64_t gi = 0; gi < ng; gi++) {
-            switch (gi) {
-                case 0: _tile_stored(0, ctmp, 64); break;
-                case 1: _tile_stored(1, ctmp, 64); break;
-                case 2: _tile_stored(2, ctmp, 64); break;
-                default: _tile_stored(3, ctmp, 64); break;
-            }
-            const int64_t cbase = (g0 + gi) * 16;
-            const int64_t ncol = job->n_cols - cbase < 16 ? job->n_cols - cbase : 16;
-            for (int64_t j = 0; j < ncol; j++) {
-                float * y = job->y + (cbase + j) * job->ldy + r0;
-                if (job->accumulate) {
-                    for (int64_t i = 0; i < rows; i++) y[i] += ctmp[i * 16 + j];
-                } else {
-                    for (int64_t i = 0; i < rows; i++) y[i] = ctmp[i * 16 + j];
-                }
-            }
-        }
+        store_tiles(job, r0, rows, g0 * 16, ng, ctmp);
     }
 }
 
@@ -760,23 +753,7 @@ TGT_AMX static void amx_block_streaming(const bs_job * job, int64_t r0, uint16_t
         }
     }
     const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
-    for (int64_t gi = 0; gi < ng; gi++) {
-        switch (gi) {
-            case 0: _tile_stored(0, ctmp, 64); break;
-            case 1: _tile_stored(1, ctmp, 64); break;
-            case 2: _tile_stored(2, ctmp, 64); break;
-            default: _tile_stored(3, ctmp, 64); break;
-        }
-        const int64_t ncol = job->n_cols - gi * 16 < 16 ? job->n_cols - gi * 16 : 16;
-        for (int64_t j = 0; j < ncol; j++) {
-            float * y = job->y + (gi * 16 + j) * job->ldy + r0;
-            if (job->accumulate) {
-                for (int64_t i = 0; i < rows; i++) y[i] += ctmp[i * 16 + j];
-            } else {
-                for (int64_t i = 0; i < rows; i++) y[i] = ctmp[i * 16 + j];
-            }
-        }
-    }
+    store_tiles(job, r0, rows, 0, ng, ctmp);
 }
 
 TGT_AMX static void amx_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
