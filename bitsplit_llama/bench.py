@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import InputError, InvalidOptionError, NativeError
+from .errors import InputError, InvalidOptionError, NativeError, OutputError
 
 DEFAULT_PROMPTS = [
     "def quicksort(arr):",
@@ -76,6 +76,10 @@ def _peak_rss() -> int:
 
 def _worker(cfg: dict) -> None:
     """Serve generation requests (JSON lines on stdin) for one side; answers on stdout."""
+    if cfg.get("parent"):
+        from ._quantize_worker import _die_with_parent
+
+        _die_with_parent(int(cfg["parent"]))  # no orphan worker if the bench is killed while it loads
     side = cfg["side"]
     n_ctx, threads = int(cfg["n_ctx"]), int(cfg["threads"])
     if side == "stock":
@@ -143,6 +147,7 @@ class _Side:
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads must not compete
         self.name = cfg["side"]
+        cfg = {**cfg, "parent": os.getpid()}
         self.proc = subprocess.Popen([sys.executable, "-m", "bitsplit_llama.bench", "worker", json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
@@ -302,14 +307,25 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
     return rep
 
 
-def plot(rep: BenchReport, path: str | os.PathLike[str]) -> None:
+def check_plot_path(path: str | os.PathLike[str]) -> None:
+    """Refuse --plot before a long run rather than after it: matplotlib installed, a writable .png."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         raise InputError("--plot needs matplotlib (pip install 'bitsplit-llama[plot]')") from None
+    p = Path(path)
+    if p.suffix.lower() != ".png":
+        raise InvalidOptionError(f"--plot: {p} is not a .png file name")
+    if not p.parent.is_dir() or not os.access(p.parent, os.W_OK):
+        raise OutputError(f"--plot: cannot write {p}: {p.parent} is not a writable directory")
+
+
+def plot(rep: BenchReport, path: str | os.PathLike[str]) -> None:
+    check_plot_path(path)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     s = rep.summary()
     n = len(rep.rates)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})

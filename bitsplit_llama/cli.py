@@ -313,10 +313,12 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON line."),
 ) -> None:
     """Stock llama.cpp (--vs) against bitsplit on the same prompts, interleaved: tokens/s, ratio, time split."""
-    from .bench import load_prompts, plot, run_bench
+    from .bench import check_plot_path, load_prompts, plot, run_bench
 
     if threads is not None and threads < 1:
         raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
+    if plot_path is not None:
+        check_plot_path(plot_path)
     rep = run_bench(model_dir, vs, prompts=load_prompts(prompts), n_predict=n_predict, temp=temp, threads=threads,
                     repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
                     drafter=drafter, log=None if quiet or as_json else _say)

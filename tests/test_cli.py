@@ -106,3 +106,32 @@ def test_console_script_one_line_errors(tmp_path):
                            str(tmp_path / "o")], capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.startswith("bitsplit: error: ") and "not found" in proc.stderr
     assert not Path(tmp_path / "o" / "base.gguf").exists()
+
+
+def test_cli_bench_json_and_plot(capsys, tiny_split, tiny_f32, tmp_path):
+    """`bitsplit bench` end to end on a tiny model: both workers run the same prompts, the JSON line
+    holds the contract's keys with consistent values, and the plot is a PNG."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat\nonce upon a time\n")
+    png = tmp_path / "bench.png"
+    code, out, err = run_main(capsys, "bench", str(tiny_split), "--vs", str(tiny_f32), "--prompts", str(prompts),
+                              "-n", "12", "--tree-nodes", "4", "--repeat", "2", "--json", "--plot", str(png))
+    assert code == 0, err
+    s = json.loads(out.strip().splitlines()[-1])
+    for key in ("tokens_per_second", "vs_tokens_per_second", "speedup_vs", "accepted_per_verify", "tree_nodes"):
+        assert key in s, key
+    assert s["runs"] == 4 and s["prompts"] == 2 and s["tree_nodes"] == 4
+    assert s["tokens_per_second"] > 0 and s["vs_tokens_per_second"] > 0
+    assert s["speedup_vs"] == pytest.approx(s["tokens_per_second"] / s["vs_tokens_per_second"], rel=1e-3)
+    assert 1.0 <= s["accepted_per_verify"] <= 5.0  # at most the root + a 4-node chain's depth
+    assert s["drafter"] == "native" and s["peak_rss_bytes"] > 0 and s["memory_bandwidth_bytes_per_second"] > 0
+    assert sum(s["time_split"][k] for k in ("draft", "verify", "other_python")) == pytest.approx(1.0, abs=0.02)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_refuses_plot_before_running(capsys, tiny_split, tiny_f32, tmp_path):
+    code, out, err = run_main(capsys, "bench", str(tiny_split), "--vs", str(tiny_f32), "--plot", str(tmp_path / "x.jpg"))
+    assert code == 2 and "--plot" in err and ".png" in err
+    code, out, err = run_main(capsys, "bench", str(tiny_split), "--vs", str(tiny_f32),
+                              "--plot", str(tmp_path / "nodir" / "x.png"))
+    assert code == 1 and "not a writable directory" in err
