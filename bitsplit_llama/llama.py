@@ -56,6 +56,7 @@ def _make_class():
             chat_format: Optional[str] = None,
             chat_handler=None,
             precision: str = "auto",
+            drafter: str = "auto",
             verbose: bool = True,
         ):
             from .generate import Generator
@@ -64,7 +65,8 @@ def _make_class():
             self._stack = contextlib.ExitStack()
             self.model_dir = Path(model_dir)
             self._gen = Generator(model_dir, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                                  tree_nodes=tree_nodes, precision=precision, verbose=verbose, n_batch=n_batch)
+                                  tree_nodes=tree_nodes, precision=precision, verbose=verbose, n_batch=n_batch,
+                                  drafter=drafter)
             self._stack.callback(self._gen.close)
             sm = self._gen.sm
             self.model_path = str(sm.residual.base_path)
