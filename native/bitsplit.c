@@ -547,16 +547,24 @@ static void barrier(bitsplit_ctx * ctx, int nth) {
 
 #define BS_DECODE_COLS 32
 
+/* The fast drafter computes a base product only where it beats ggml's own kernel: the integer
+ * kernel with 8-bit activations, from 2 columns on. Measured on Qwen2.5-Coder-1.5B's Q2_K base,
+ * 2 cores (python bench/draft_speed.py SPLIT): native/ggml time 1.22 at 1 column, 0.86 at
+ * 2, 0.65 at 4 -- ggml's single-column K-quant dot product is the faster one. */
+#define BS_DRAFT_MIN_COLS 2
+
+static const bs_kernel_family * draft_family(const bs_job * job) {
+    const bs_kernel_family * all[BS_MAX_FAMILIES];
+    const int n = bs_kernels_list("vnni-int24", all, BS_MAX_FAMILIES);
+    return n > 0 && strcmp(all[0]->name, "vnni-int24") == 0 && all[0]->supports(job) ? all[0] : NULL;
+}
+
 /* Decode batches (the engine's verify passes) use the context's chosen families, so that every
  * pass of one generation runs the same arithmetic; larger batches (prompts) the fastest there is. */
 static const bs_kernel_family * family_for(const bitsplit_ctx * ctx, const bs_job * job) {
-    if (job->r == NULL && job->w2 != NULL) { /* the fast drafter: the integer kernel, else generic */
-        const bs_kernel_family * all[BS_MAX_FAMILIES];
-        const int n = bs_kernels_list(NULL, all, BS_MAX_FAMILIES);
-        for (int i = 0; i < n; i++) {
-            if (all[i]->supports(job)) return all[i];
-        }
-        return bs_generic_family();
+    if (job->r == NULL && job->w2 != NULL) { /* the fast drafter: ask_draft took it for the integer kernel */
+        const bs_kernel_family * f = draft_family(job);
+        return f != NULL ? f : bs_generic_family();
     }
     const bool small = job->n_cols <= BS_DECODE_COLS;
     const bs_kernel_family * const * list = small ? ctx->families : ctx->large;
@@ -964,6 +972,9 @@ static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     job.r = NULL;
     job.n_cols = ggml_nrows(x);
     job.precision = resolve_precision(ctx, e->base_type, e->base_type);
+    if (job.n_cols < BS_DRAFT_MIN_COLS || draft_family(&job) == NULL) {
+        return false; /* ggml's own kernel is as fast or faster here */
+    }
     if (!ensure(&ctx->acts, &ctx->acts_size, job_acts_size(ctx, &job) + 64)) {
         return false; /* out of memory: ggml's own kernel will do */
     }

@@ -67,8 +67,12 @@ static size_t int_acts_size(const bs_job * job) {
     return (size_t)job->n_cols * (size_t)(job->K / QK) * sizeof(act_block) + 64;
 }
 
+/* The fast drafter (job->r == NULL: the base alone) needs speed, not precision: its activations
+ * are rounded to 8 bits per 256 values (as ggml's own K-quant products do), one digit instead of three. */
 TGT static void int_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
     const int64_t nb = job->K / QK;
+    const bool coarse = job->r == NULL;
+    const float xmax = coarse ? 127.0f : XMAX;
     act_block * acts = job->acts;
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t c = c0; c < c1; c++) {
@@ -81,19 +85,23 @@ TGT static void int_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
                 mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(xb + i), absmask));
             }
             const float amax = _mm512_reduce_max_ps(mx);
-            const float s = amax / XMAX;
-            const __m512 inv = _mm512_set1_ps(amax > 0.0f ? XMAX / amax : 0.0f);
+            const float s = amax / xmax;
+            const __m512 inv = _mm512_set1_ps(amax > 0.0f ? xmax / amax : 0.0f);
+            const __m512i lim = _mm512_set1_epi32((int)xmax);
             a->s = s;
             for (int i = 0; i < QK; i += 16) {
                 __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv));
                 /* guard the rounding at the edge of the range */
-                X = _mm512_max_epi32(_mm512_min_epi32(X, _mm512_set1_epi32(8355711)), _mm512_set1_epi32(-8355711));
+                X = _mm512_max_epi32(_mm512_min_epi32(X, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
                 a->xsum[i / 16] = _mm512_reduce_add_epi32(X);
                 const __m128i d0 = _mm512_cvtepi32_epi8(X);
+                _mm_storeu_si128((__m128i *)(a->d[0] + i), d0);
+                if (coarse) {
+                    continue;
+                }
                 const __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X, _mm512_cvtepi8_epi32(d0)), 8);
                 const __m128i d1 = _mm512_cvtepi32_epi8(X1);
                 const __m512i X2 = _mm512_srai_epi32(_mm512_sub_epi32(X1, _mm512_cvtepi8_epi32(d1)), 8);
-                _mm_storeu_si128((__m128i *)(a->d[0] + i), d0);
                 _mm_storeu_si128((__m128i *)(a->d[1] + i), d1);
                 _mm_storeu_si128((__m128i *)(a->d[2] + i), _mm512_cvtepi32_epi8(X2));
             }
@@ -290,6 +298,23 @@ TGT static inline __m512 block_dot(const wblock * w, const act_block * a) {
     return acc;
 }
 
+/* block_dot for 8-bit activations (one digit: the fast drafter) */
+TGT static inline __m512 block_dot8(const wblock * w, const act_block * a) {
+    __m512 acc = _mm512_mul_ps(w->O, _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)a->xsum)));
+    if (w->single) {
+        __m512i p0 = _mm512_setzero_si512();
+        for (int z = 0; z < 4; z++) {
+            p0 = _mm512_dpbusd_epi32(p0, w->u[z], _mm512_loadu_si512((const void *)(a->d[0] + 64 * z)));
+        }
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_set1_ps(w->A), acc);
+    }
+    for (int z = 0; z < 4; z++) {
+        const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w->u[z], _mm512_loadu_si512((const void *)(a->d[0] + 64 * z)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), w->D[z], acc);
+    }
+    return acc;
+}
+
 TGT static void int_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
     const int64_t nb = job->K / QK, nc = job->n_cols;
     const act_block * acts = job->acts;
@@ -314,7 +339,7 @@ TGT static void int_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch 
                     v = block_dot(&wr, a);
                     if (brow) v = _mm512_add_ps(block_dot(&wb, a), v);
                 } else {
-                    v = block_dot(&wb, a); /* base alone (the fast drafter) */
+                    v = block_dot8(&wb, a); /* base alone (the fast drafter) */
                 }
                 tot[c] = _mm512_fmadd_ps(_mm512_set1_ps(a->s), v, tot[c]);
             }

@@ -86,13 +86,14 @@ def test_disabled_hook_leaves_base_bit_identical(tmp_path):
                 draft = ctx.logits(len(TOKENS)).copy()
             assert np.array_equal(draft, plain)
         assert sm.residual.counters().n_errors == 0
-    # the native drafter computes the same F32 products in another order: equal up to float rounding
+    # the native drafter takes only products its integer kernel does faster than ggml (K-quant and
+    # Q8_0 bases): an F32 base is left to llama.cpp, bit for bit
     with SplitModel(split, n_ctx=128, n_batch=64, fast_drafter=True) as sm:
         with sm.drafting() as ctx:
             ctx.decode(TOKENS, list(range(len(TOKENS))))
             draft = ctx.logits(len(TOKENS)).copy()
-        assert sm.residual.counters().n_draft_products > 0
-    assert np.abs(draft - plain).max() < 1e-3 * np.abs(plain).max()
+        assert sm.residual.counters().n_draft_products == 0
+    assert np.array_equal(draft, plain)
 
 
 def test_verifier_is_deterministic_across_graph_reuse(tmp_path):
@@ -265,8 +266,9 @@ def test_kernel_families_agree_and_are_batch_invariant(tiny_split):
 
 
 def test_fast_drafter_computes_the_base_products(tiny_split):
-    """With the residual off, the native integer kernel can compute the base's products (a faster
-    drafter on CPUs); its logits are the base's, up to float rounding, and stock ggml's otherwise."""
+    """With the residual off, the native integer kernel computes the base's products of batches of 2
+    or more tokens (where it beats ggml on CPUs); its logits are the base's up to activation
+    rounding, and a single-token pass is left to ggml."""
     toks = TOKENS[:20]
     with SplitModel(tiny_split, n_ctx=128, n_batch=64, fast_drafter=False) as sm:
         with sm.drafting() as ctx:
@@ -277,9 +279,10 @@ def test_fast_drafter_computes_the_base_products(tiny_split):
         with sm.drafting() as ctx:
             ctx.decode(toks, list(range(len(toks))))
             fast = ctx.logits(len(toks)).copy()
-        c = sm.residual.counters()
-        assert c.n_draft_products == 15 and c.n_products == 0  # 2 layers x 7 + the output head
-    # ggml rounds activations to 8 bits per 256 values; the integer kernel keeps 24 bits
+            c = sm.residual.counters()
+            assert c.n_draft_products == 15 and c.n_products == 0  # 2 layers x 7 + the output head
+            ctx.decode(toks[:1], [len(toks)])  # one token: ggml's kernel
+            assert sm.residual.counters().n_draft_products == 15
+    # both round activations to 8 bits per 256 values, ggml to Q8_K and the native kernel its own way
     assert np.abs(fast - stock).max() < 0.1 * np.abs(stock).max()
-    assert np.argmax(fast, axis=1).tolist() == np.argmax(stock, axis=1).tolist() or \
-        np.mean(np.argmax(fast, axis=1) == np.argmax(stock, axis=1)) > 0.9
+    assert np.mean(np.argmax(fast, axis=1) == np.argmax(stock, axis=1)) > 0.9
