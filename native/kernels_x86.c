@@ -688,6 +688,18 @@ TGT_AMX static void store_tiles(const bs_job * job, int64_t r0, int64_t rows, in
 TGT_AMX static inline void load_cfg(const tile_cfg * c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c) : "memory"); }
 TGT_AMX static inline void store_cfg(tile_cfg * c) { __asm__ volatile("sttilecfg %0" : "=m"(*c)::"memory"); }
 
+/* One K-chunk for up to 4 groups of 16 columns: tile 4 holds the W2 chunk (when there is a base),
+ * tile 5 the residual chunk; activation tiles alternate between 6 and 7, accumulators are 0..3. */
+#define BS_GROUP(C, B, OFF)                  \
+    _tile_loadd(B, bt + (OFF) * gstride, 64); \
+    if (base) _tile_dpbf16ps(C, 4, B);        \
+    _tile_dpbf16ps(C, 5, B);
+#define BS_TILE_GROUPS(bt, gstride, ng, base) \
+    BS_GROUP(0, 6, 0)                         \
+    if (ng > 1) { BS_GROUP(1, 7, 1) }         \
+    if (ng > 2) { BS_GROUP(2, 6, 2) }         \
+    if (ng > 3) { BS_GROUP(3, 7, 3) }
+
 TGT_AMX static void amx_block_product(const bs_job * job, const uint16_t * abuf, const uint16_t * rbuf, int64_t r0,
                                       float * ctmp) {
     const int64_t K = job->K, nkc = K / 32;
@@ -707,15 +719,7 @@ TGT_AMX static void amx_block_product(const bs_job * job, const uint16_t * abuf,
             if (base) _tile_loadd(4, abuf + (size_t)kc * TILE_WORDS, 64);
             _tile_loadd(5, rbuf + (size_t)kc * TILE_WORDS, 64);
             const uint16_t * bt = acts + ((size_t)g0 * (size_t)nkc + (size_t)kc) * TILE_WORDS;
-#define BS_GROUP(C, B, OFF)                  \
-    _tile_loadd(B, bt + (OFF) * gstride, 64); \
-    if (base) _tile_dpbf16ps(C, 4, B);        \
-    _tile_dpbf16ps(C, 5, B);
-            BS_GROUP(0, 6, 0)
-            if (ng > 1) { BS_GROUP(1, 7, 1) }
-            if (ng > 2) { BS_GROUP(2, 6, 2) }
-            if (ng > 3) { BS_GROUP(3, 7, 3) }
-#undef BS_GROUP
+            BS_TILE_GROUPS(bt, gstride, ng, base)
         }
         store_tiles(job, r0, rows, g0 * 16, ng, ctmp);
     }
@@ -741,20 +745,15 @@ TGT_AMX static void amx_block_streaming(const bs_job * job, int64_t r0, uint16_t
             if (base) _tile_loadd(4, abuf + (size_t)t * TILE_WORDS, 64);
             _tile_loadd(5, rbuf + (size_t)t * TILE_WORDS, 64);
             const uint16_t * bt = acts + (size_t)(k0 / 32 + t) * TILE_WORDS;
-#define BS_GROUP(C, B, OFF)                  \
-    _tile_loadd(B, bt + (OFF) * gstride, 64); \
-    if (base) _tile_dpbf16ps(C, 4, B);        \
-    _tile_dpbf16ps(C, 5, B);
-            BS_GROUP(0, 6, 0)
-            if (ng > 1) { BS_GROUP(1, 7, 1) }
-            if (ng > 2) { BS_GROUP(2, 6, 2) }
-            if (ng > 3) { BS_GROUP(3, 7, 3) }
-#undef BS_GROUP
+            BS_TILE_GROUPS(bt, gstride, ng, base)
         }
     }
     const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
     store_tiles(job, r0, rows, 0, ng, ctmp);
 }
+
+#undef BS_TILE_GROUPS
+#undef BS_GROUP
 
 TGT_AMX static void amx_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
     uint16_t * abuf = bs_scratch_get(scratch, rowblock_scratch(job));
