@@ -112,7 +112,8 @@ def _worker(cfg: dict) -> None:
             t_first = t_last = None
             n = 0
             res = []
-            for _, toks in gen.stream(req["prompt"], max_tokens=req["n"], sampling=sp, on_finish=res.append):
+            for _, toks in gen.stream(req["prompt"], max_tokens=req["n"], sampling=sp, on_finish=res.append,
+                                      speculative=req.get("speculative", True)):
                 now = time.perf_counter()
                 if toks:
                     n += len(toks)
@@ -196,6 +197,7 @@ class BenchReport:
     vs_rates: list[float] = field(default_factory=list)     # stock, per run
     per_prompt_ratio: list[float] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
+    no_spec_rates: list[float] = field(default_factory=list)  # bitsplit's verifier alone, per run (--with-no-spec)
     rss: int = 0
     vs_rss: int = 0
     bandwidth: float = 0.0
@@ -228,7 +230,16 @@ class BenchReport:
             "residual_bytes_per_second": round(res_bps), "memory_bandwidth_bytes_per_second": round(self.bandwidth),
             "residual_bandwidth_use": round(res_bps / self.bandwidth, 4) if self.bandwidth else 0.0,
             "seconds": round(self.seconds, 1),
+            **self._no_spec_summary(med, vmed),
         }
+
+    def _no_spec_summary(self, med: float, vmed: float) -> dict:
+        if not self.no_spec_rates:
+            return {}
+        nmed = statistics.median(self.no_spec_rates)
+        return {"no_spec_tokens_per_second": round(nmed, 3),
+                "speedup_vs_no_spec": round(med / nmed, 4) if nmed else 0.0,
+                "no_spec_vs_stock": round(nmed / vmed, 4) if vmed else 0.0}
 
 
 def load_prompts(path: str | os.PathLike[str] | None) -> list[str]:
@@ -253,7 +264,10 @@ def load_prompts(path: str | os.PathLike[str] | None) -> list[str]:
 def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, prompts: list[str] | None = None,
               n_predict: int = 128, temp: float = 0.0, threads: int | None = None, repeat: int = 1,
               tree_nodes: int | str = "auto", n_ctx: int = 2048, kernel: str | None = None,
-              drafter: str = "auto", log: Callable[[str], None] | None = None) -> BenchReport:
+              drafter: str = "auto", with_no_spec: bool = False,
+              log: Callable[[str], None] | None = None) -> BenchReport:
+    """Stock llama.cpp and bitsplit on the same prompts, interleaved per prompt (stock, bitsplit, and
+    with ``with_no_spec`` bitsplit's verifier alone in the same worker), same threads."""
     from .gguf_file import check_readable_file
     from .modeldir import validate_split
     from .runtime import default_threads
@@ -296,8 +310,15 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
                     if a["rate"]:
                         rep.per_prompt_ratio.append(b["rate"] / a["rate"])
                     rep.vs_rss, rep.rss = a["rss"], b["rss"]
+                    plain = ""
+                    if with_no_spec:
+                        c = bit.run({**req, "speculative": False})
+                        rep.no_spec_rates.append(c["rate"])
+                        rep.rss = c["rss"]
+                        plain = f", no-spec {c['rate']:.2f} tok/s"
                     say(f"[{r * len(prompts) + i + 1}/{repeat * len(prompts)}] stock {a['rate']:.2f} tok/s, "
-                        f"bitsplit {b['rate']:.2f} tok/s ({b['extra'].get('accepted_per_verify', 0):.2f} tokens/verify)")
+                        f"bitsplit {b['rate']:.2f} tok/s ({b['extra'].get('accepted_per_verify', 0):.2f} tokens/verify)"
+                        + plain)
             rep.bandwidth = (rep.bandwidth + memory_bandwidth(threads)) / 2
         finally:
             bit.close()
@@ -330,13 +351,21 @@ def plot(rep: BenchReport, path: str | os.PathLike[str]) -> None:
     n = len(rep.rates)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
     x = np.arange(n)
-    ax1.bar(x - 0.2, rep.vs_rates, 0.4, label=f"stock llama.cpp ({Path(rep.vs).name})")
-    ax1.bar(x + 0.2, rep.rates, 0.4, label=f"bitsplit (tree {s['tree_shape']}, {s['kernel']})")
+    three = bool(rep.no_spec_rates)
+    w = 0.27 if three else 0.4
+    ax1.bar(x - (w if three else w / 2), rep.vs_rates, w, label=f"stock llama.cpp ({Path(rep.vs).name})")
+    ax1.bar(x + (0 if three else w / 2), rep.rates, w, label=f"bitsplit (tree {s['tree_shape']}, {s['kernel']})")
+    if three:
+        ax1.bar(x + w, rep.no_spec_rates, w, color="C2", label="bitsplit --no-spec (verifier alone)")
     ax1.set_xlabel("run (prompt)")
     ax1.set_ylabel("tokens/s")
     ax1.set_title(f"{Path(rep.model_dir).name}: {rep.n_predict} tokens, temp {rep.temp}, {rep.threads} threads")
     ax1.legend(fontsize=8)
-    ax2.bar(["stock", "bitsplit"], [s["vs_tokens_per_second"], s["tokens_per_second"]], color=["C0", "C1"])
+    names, vals = ["stock", "bitsplit"], [s["vs_tokens_per_second"], s["tokens_per_second"]]
+    if three:
+        names.append("no-spec")
+        vals.append(s["no_spec_tokens_per_second"])
+    ax2.bar(names, vals, color=["C0", "C1", "C2"][:len(names)])
     ax2.set_title(f"median: {s['speedup_vs']:.2f}x")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -308,6 +308,8 @@ def bench(
     kernel: Optional[str] = typer.Option(None, "--kernel", help="Native kernel family for decode passes (default: by tree size)."),
     drafter: str = typer.Option("auto", "--drafter",
                                 help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
+    with_no_spec: bool = typer.Option(False, "--with-no-spec",
+                                      help="Also run bitsplit's verifier alone on every prompt, interleaved in the same run."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of the runs."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON line."),
@@ -321,7 +323,7 @@ def bench(
         check_plot_path(plot_path)
     rep = run_bench(model_dir, vs, prompts=load_prompts(prompts), n_predict=n_predict, temp=temp, threads=threads,
                     repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
-                    drafter=drafter, log=None if quiet or as_json else _say)
+                    drafter=drafter, with_no_spec=with_no_spec, log=None if quiet or as_json else _say)
     s = rep.summary()
     if plot_path is not None:
         plot(rep, plot_path)
@@ -337,6 +339,10 @@ def bench(
     t.add_column("bitsplit", justify="right")
     t.add_row("tokens/s (median)", f"{s['vs_tokens_per_second']:.2f}", f"{s['tokens_per_second']:.2f}")
     t.add_row("ratio", "1.00", f"{s['speedup_vs']:.2f}x (median of pairs {s['median_pair_ratio']:.2f}x)")
+    if with_no_spec:
+        t.add_row("bitsplit --no-spec tokens/s (median)", "-",
+                  f"{s['no_spec_tokens_per_second']:.2f} ({s['no_spec_vs_stock']:.2f}x stock; speculation "
+                  f"{s['speedup_vs_no_spec']:.2f}x)")
     t.add_row("tokens per verify", "1", f"{s['accepted_per_verify']:.2f}")
     t.add_row("tree (nodes, width, rounds); drafter", "-", f"{s['tree_shape']}; {s['drafter']}")
     t.add_row("peak RSS", _fmt_bytes(s["vs_peak_rss_bytes"]), _fmt_bytes(s["peak_rss_bytes"]))

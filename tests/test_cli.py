@@ -109,24 +109,31 @@ def test_console_script_one_line_errors(tmp_path):
 
 
 def test_cli_bench_json_and_plot(capsys, tiny_split, tiny_f32, tmp_path):
-    """`bitsplit bench` end to end on a tiny model: both workers run the same prompts, the JSON line
-    holds the contract's keys with consistent values, and the plot is a PNG."""
+    """`bitsplit bench` end to end on a tiny model: both workers run the same prompts (bitsplit also
+    without speculation), the JSON line holds the contract's keys with consistent values, and the plot
+    is a PNG."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the cat\nonce upon a time\n")
     png = tmp_path / "bench.png"
     code, out, err = run_main(capsys, "bench", str(tiny_split), "--vs", str(tiny_f32), "--prompts", str(prompts),
-                              "-n", "12", "--tree-nodes", "4", "--repeat", "2", "--json", "--plot", str(png))
+                              "-n", "12", "--tree-nodes", "4", "--repeat", "2", "--with-no-spec", "--json",
+                              "--plot", str(png))
     assert code == 0, err
     s = json.loads(out.strip().splitlines()[-1])
     for key in ("tokens_per_second", "vs_tokens_per_second", "speedup_vs", "accepted_per_verify", "tree_nodes"):
         assert key in s, key
     assert s["runs"] == 4 and s["prompts"] == 2 and s["tree_nodes"] == 4
     assert s["tokens_per_second"] > 0 and s["vs_tokens_per_second"] > 0
-    assert s["speedup_vs"] == pytest.approx(s["tokens_per_second"] / s["vs_tokens_per_second"], rel=1e-3)
+    # ratios are rounded to 4 decimals, rates to 3
+    assert s["speedup_vs"] == pytest.approx(s["tokens_per_second"] / s["vs_tokens_per_second"], rel=1e-3, abs=1e-4)
     assert 1.0 <= s["accepted_per_verify"] <= 5.0  # at most the root + a 4-node chain's depth
     assert s["drafter"] == "native" and s["peak_rss_bytes"] > 0 and s["memory_bandwidth_bytes_per_second"] > 0
     assert sum(s["time_split"][k] for k in ("draft", "verify", "other_python")) == pytest.approx(1.0, abs=0.02)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --with-no-spec: the verifier alone ran on the same prompts, in the same run
+    assert s["no_spec_tokens_per_second"] > 0
+    assert s["speedup_vs_no_spec"] == pytest.approx(s["tokens_per_second"] / s["no_spec_tokens_per_second"], rel=1e-3, abs=1e-4)
+    assert s["no_spec_vs_stock"] == pytest.approx(s["no_spec_tokens_per_second"] / s["vs_tokens_per_second"], rel=1e-3, abs=1e-4)
 
 
 def test_cli_bench_refuses_plot_before_running(capsys, tiny_split, tiny_f32, tmp_path):
