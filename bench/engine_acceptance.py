@@ -2,9 +2,10 @@
 chains, against a separate-KV drafter baseline, greedy and sampled; and whether speculative greedy
 output equals verifier-alone output (with the top-2 margin at any first divergence).
 
-    python bench/engine_acceptance.py SPLIT_DIR [--n 128] [--prompts FILE] [--temps 0,0.7] [--json OUT]
+    python bench/engine_acceptance.py SPLIT_DIR [--n 128] [--prompts FILE] [--temps 0,0.7]
+        [--configs tree16,chain4,chain8,separate_kv_tree16] [--json OUT]
 
-Configurations: tree of 16 (width 4, 7 rounds), chains of 4 and 8, and the tree of 16 drafted by
+Configurations: tree of 16 (width 4, 7 rounds), chains of 1, 4 and 8, and the tree of 16 drafted by
 a separate context over the same base.gguf with its own KV cache (how a separate draft model works
 in stock llama.cpp); both draft with llama.cpp's own kernels. Tokens per verify = emitted tokens / verifier passes (the prompt's pass counts).
 """
@@ -27,6 +28,7 @@ from bitsplit_llama.verifier import SplitModel
 
 CONFIGS = {
     "tree16": TreeShape(16, 4, 7),
+    "chain1": TreeShape(1, 1, 1),
     "chain4": TreeShape(4, 1, 4),
     "chain8": TreeShape(8, 1, 8),
 }
@@ -35,9 +37,10 @@ CONFIGS = {
 def margin_at(sm: SplitModel, prefix: list[int]) -> float:
     """Top-2 logit margin of the verifier after ``prefix`` (a fresh prompt pass)."""
     sm.ctx.clear()
+    step = sm.ctx.n_batch
     with sm.verifying() as ctx:
-        for i in range(0, len(prefix), 256):
-            part = prefix[i:i + 256]
+        for i in range(0, len(prefix), step):
+            part = prefix[i:i + step]
             ctx.decode(part, range(i, i + len(part)), logits=[False] * (len(part) - 1) + [True])
         lg = np.sort(ctx.logits_ith(len(part) - 1).astype(np.float64))
     sm.ctx.clear()
@@ -50,10 +53,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--prompts", type=Path, default=None)
     ap.add_argument("--temps", default="0,0.7")
+    ap.add_argument("--configs", default="tree16,chain4,chain8,separate_kv_tree16",
+                    help=f"comma-separated, from: {', '.join(CONFIGS)}, separate_kv_tree16")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     prompts = load_prompts(a.prompts) if a.prompts else DEFAULT_PROMPTS[:10]
     temps = [float(t) for t in a.temps.split(",")]
+    configs = a.configs.split(",")
+    known = list(CONFIGS) + ["separate_kv_tree16"]
+    if any(c not in known for c in configs):
+        ap.error(f"--configs: {a.configs!r}: each must be one of {', '.join(known)}")
     room = TreeShape(16, 4, 7)
     # llama.cpp's own kernels draft in both set-ups, so that the separate-KV baseline differs only by its KV
     sm = SplitModel(a.split, n_ctx=1024, n_batch=64, n_seq_max=n_seq_max_for(room), fast_drafter=False)
@@ -68,7 +77,8 @@ def main() -> None:
         return toks, st
 
     for temp in temps:
-        for name, shape in list(CONFIGS.items()) + [("separate_kv_tree16", CONFIGS["tree16"])]:
+        for name in configs:
+            shape = CONFIGS["tree16" if name == "separate_kv_tree16" else name]
             # one kernel family for every pass of a run (see Residual.choose_decode_kernel)
             sm.residual.choose_decode_kernel(shape.nodes + 1)
             eng = Engine(sm, shape, draft_ctx=dctx if name.startswith("separate") else None)
@@ -87,7 +97,7 @@ def main() -> None:
             eng.reset()
     # greedy identity: verifier alone (same kernel family as the tree's passes) vs each greedy run
     if 0.0 in temps:
-        for fam_of in ("tree16", "chain4", "chain8"):
+        for fam_of in [c for c in configs if c in CONFIGS]:
             sm.residual.choose_decode_kernel(CONFIGS[fam_of].nodes + 1)
             plain = Engine(sm, TreeShape(0, 1, 1))
             same, margins = 0, []
