@@ -66,7 +66,9 @@ def main() -> None:
     room = TreeShape(16, 4, 7)
     # llama.cpp's own kernels draft in both set-ups, so that the separate-KV baseline differs only by its KV
     sm = SplitModel(a.split, n_ctx=1024, n_batch=64, n_seq_max=n_seq_max_for(room), fast_drafter=False)
-    dctx = Context(sm.model, n_ctx=1024, n_batch=64, n_seq_max=n_seq_max_for(room))
+    # the separate drafter's own context (and its KV cache) only when that baseline is asked for
+    dctx = (Context(sm.model, n_ctx=1024, n_batch=64, n_seq_max=n_seq_max_for(room))
+            if "separate_kv_tree16" in configs else None)
     results: dict = {"split": str(a.split), "n": a.n, "prompts": prompts, "runs": {}}
     t_start = time.time()
 
