@@ -45,12 +45,13 @@ LIB="$PKG/lib"
 [[ -e "$LIB/libggml-base.so.0" ]] || die "$LIB/libggml-base.so.0 not found"
 command -v "$CC" >/dev/null || die "no C compiler ($CC)"
 
+case "$(uname -m)" in aarch64|arm64) ARCH=arm ;; *) ARCH=x86 ;; esac
 # --- build ------------------------------------------------------------------------------------------
 SAN=(-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1)
 say "building with $CC ${SAN[*]} against $INC and $LIB/libggml-base.so.0"
 "$CC" -std=c11 "${SAN[@]}" -Wall -Wno-unused-function -DBS_TEST_HOOKS \
     -Inative -I"$INC" \
-    native/tests/test_native.c native/bitsplit.c native/kernels.c native/kernels_x86.c native/kernels_int.c \
+    native/tests/test_native.c native/*.c native/arch/"$ARCH"/*.c \
     -o "$WORK/test_native" \
     -L"$LIB" -l:libggml-base.so.0 -Wl,-rpath,"$LIB" -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits -lpthread -lm \
     || die "build failed"
