@@ -12,8 +12,8 @@ import argparse
 
 import numpy as np
 
-from bitsplit_llama.engine import TreeShape, n_seq_max_for
-from bitsplit_llama.verifier import SplitModel
+from bitsplit_llama.speculative.engine import TreeShape, n_seq_max_for
+from bitsplit_llama.runtime.verifier import SplitModel
 
 PROMPT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n"
 

@@ -13,7 +13,7 @@ import argparse
 import statistics
 import time
 
-from bitsplit_llama.verifier import SplitModel
+from bitsplit_llama.runtime.verifier import SplitModel
 
 
 def main() -> None:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bitsplit_llama.bench import DEFAULT_PROMPTS, load_prompts
-from bitsplit_llama.engine import Engine, Stats, TreeShape, n_seq_max_for
-from bitsplit_llama.runtime import Context
-from bitsplit_llama.sampling import SamplingParams
-from bitsplit_llama.verifier import SplitModel
+from bitsplit_llama.tools.bench import DEFAULT_PROMPTS, load_prompts
+from bitsplit_llama.speculative.engine import Engine, Stats, TreeShape, n_seq_max_for
+from bitsplit_llama.runtime.llamacpp import Context
+from bitsplit_llama.speculative.sampling import SamplingParams
+from bitsplit_llama.runtime.verifier import SplitModel
 
 CONFIGS = {
     "tree16": TreeShape(16, 4, 7),

@@ -27,10 +27,10 @@ def main() -> None:
     for m in a.models:
         if not m.is_file():
             ap.error(f"{m}: model file not found")
-    import llama_cpp
+    from bitsplit_llama.runtime.stock import stock_llama
 
     for m in a.models:
-        llm = llama_cpp.Llama(str(m), n_ctx=512, n_threads=a.threads, n_batch=1, verbose=False)
+        llm = stock_llama(m, n_ctx=512, n_threads=a.threads)
         try:
             llm.eval(llm.tokenize(b"def quicksort(arr):"))
             ts = []

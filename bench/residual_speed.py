@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bitsplit_llama.residual import Residual
+from bitsplit_llama.native.residual import Residual
 
 
-from bitsplit_llama.bench import memory_bandwidth  # threaded numpy max-reduce over 1 GiB
+from bitsplit_llama.tools.bench import memory_bandwidth  # threaded numpy max-reduce over 1 GiB
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--residual-only", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    from bitsplit_llama.runtime import default_threads
+    from bitsplit_llama.runtime.llamacpp import default_threads
 
     threads = a.threads or default_threads()
     batches = [int(b) for b in a.batches.split(",")]

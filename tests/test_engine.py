@@ -8,11 +8,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from bitsplit_llama.engine import Engine, Stats, TreeShape, max_lanes, n_seq_max_for
 from bitsplit_llama.errors import ContextLimitError, InvalidOptionError
-from bitsplit_llama.generate import Generator
-from bitsplit_llama.runtime import Context
-from bitsplit_llama.sampling import SamplingParams
+from bitsplit_llama.runtime.llamacpp import Context
+from bitsplit_llama.speculative.engine import Engine, Stats, TreeShape, max_lanes, n_seq_max_for
+from bitsplit_llama.speculative.generate import Generator
+from bitsplit_llama.speculative.sampling import SamplingParams
 from test_verifier import make_f32_split
 
 PROMPTS = [[1] + list(range(260 + 3 * p, 272 + 3 * p)) for p in range(6)]

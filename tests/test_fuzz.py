@@ -36,8 +36,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from bitsplit_llama.errors import BitsplitError  # noqa: E402
-from bitsplit_llama.gguf_file import GGUFFile, fingerprint  # noqa: E402
-from bitsplit_llama.modeldir import check_pair  # noqa: E402
+from bitsplit_llama.formats.gguf_file import GGUFFile, fingerprint  # noqa: E402
+from bitsplit_llama.formats.modeldir import check_pair  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 U64 = (1 << 64) - 1
@@ -306,7 +306,7 @@ WORKER = r"""
 import json, sys
 import numpy as np
 from bitsplit_llama.errors import BitsplitError
-from bitsplit_llama.residual import Residual
+from bitsplit_llama.native.residual import Residual
 base = sys.argv[1]
 for line in sys.stdin:
     path = line.rstrip("\n")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bitsplit_llama.quality import evaluate
-from bitsplit_llama.split import quantize_model
+from bitsplit_llama.tools.quality import evaluate
+from bitsplit_llama.formats.split import quantize_model
 
 pytestmark = pytest.mark.real_model
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from bitsplit_llama.gguf_file import GGUFFile
-from bitsplit_llama.modeldir import split_info
+from bitsplit_llama.formats.gguf_file import GGUFFile
+from bitsplit_llama.formats.modeldir import split_info
 from test_split import assert_reconstructs, full
 
 pytestmark = pytest.mark.real_model
@@ -22,7 +22,7 @@ def test_smollm2_split_end_to_end(smollm2, smollm2_split_q8):
     names = ["blk.0.ffn_down.weight", "blk.7.attn_q.weight", "blk.29.ffn_up.weight"]
     assert assert_reconstructs(smollm2, smollm2_split_q8, names) == 3
     # the premise: base + Q8_0 residual reconstructs the source better than Q8_0 of the source
-    from bitsplit_llama import _ggml
+    from bitsplit_llama.formats import _ggml
 
     with GGUFFile(smollm2) as s, GGUFFile(smollm2_split_q8 / "base.gguf") as b, \
             GGUFFile(smollm2_split_q8 / "residual.gguf") as r:
@@ -34,7 +34,7 @@ def test_smollm2_split_end_to_end(smollm2, smollm2_split_q8):
 
 
 def test_smollm2_base_generates(smollm2_split_q8):
-    from stock import stock_llama
+    from bitsplit_llama.runtime.stock import stock_llama
 
     llm = stock_llama(smollm2_split_q8 / "base.gguf")
     try:

@@ -18,8 +18,8 @@ import pytest
 from bitsplit_llama.cli import main
 from bitsplit_llama.errors import (BitsplitError, BusyError, ContextLimitError, GGUFFormatError, InputError,
                                    InvalidOptionError, MismatchError, UnsupportedModelError)
-from bitsplit_llama.gguf_file import GGUFFile, StreamingGGUFWriter, fingerprint
-from bitsplit_llama.split import split_model
+from bitsplit_llama.formats.gguf_file import GGUFFile, StreamingGGUFWriter, fingerprint
+from bitsplit_llama.formats.split import split_model
 from synth import tiny_llama_weights, write_llama_gguf, write_tiny_llama
 
 
@@ -126,7 +126,7 @@ BAD = ["missing-dir", "file-not-dir", "empty-dir", "base-empty", "base-not-gguf"
 @pytest.mark.parametrize("case", BAD)
 def test_api_refuses_bad_split(bad_dirs, tiny_split, case):
     from bitsplit_llama import BitsplitLlama
-    from bitsplit_llama.residual import Residual
+    from bitsplit_llama.native.residual import Residual
 
     path, exc, frag = bad_dirs[case]
     with pytest.raises(exc) as ei:
@@ -210,7 +210,7 @@ def test_cli_bad_options(tiny_split, tiny_f32, tmp_path, capsys, args, code, fra
 
 def test_api_bad_values(tiny_split):
     from bitsplit_llama import BitsplitLlama
-    from bitsplit_llama.generate import Generator
+    from bitsplit_llama.speculative.generate import Generator
 
     with BitsplitLlama(tiny_split, n_ctx=128, verbose=False, tree_nodes=4) as llm:
         with pytest.raises(ValueError):

@@ -20,7 +20,7 @@ def server(tiny_split):
     import uvicorn
 
     from bitsplit_llama import BitsplitLlama
-    from bitsplit_llama.server import create_app
+    from bitsplit_llama.api.server import create_app
 
     llm = BitsplitLlama(tiny_split, n_ctx=512, verbose=False, tree_nodes=8)
     port = _free_port()

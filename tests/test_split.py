@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from bitsplit_llama import _ggml
+from bitsplit_llama.formats import _ggml
 from bitsplit_llama.errors import (GGUFFormatError, InputError, InvalidOptionError, MismatchError, OutputError,
                                    UnsupportedModelError)
-from bitsplit_llama.gguf_file import GGUFFile, fingerprint
-from bitsplit_llama.modeldir import check_pair, split_info
-from bitsplit_llama.split import residual_type_for, split_model
+from bitsplit_llama.formats.gguf_file import GGUFFile, fingerprint
+from bitsplit_llama.formats.modeldir import check_pair, split_info
+from bitsplit_llama.formats.split import residual_type_for, split_model
 from synth import tiny_llama_weights, write_llama_gguf, write_tiny_llama
 
 
@@ -115,7 +115,7 @@ def test_fingerprint_sees_data_not_only_header(tiny_split, tmp_path):
 
 
 def test_base_loads_and_generates_in_stock_llama_cpp(tiny_split):
-    from stock import stock_llama
+    from bitsplit_llama.runtime.stock import stock_llama
 
     llm = stock_llama(tiny_split / "base.gguf", n_ctx=128)
     try:
@@ -231,7 +231,7 @@ def test_unwritable_output_dir(tiny_f32, tmp_path):
 
 
 def test_disk_full_predicted(tiny_f32, tmp_path, monkeypatch):
-    import bitsplit_llama.split as sp
+    import bitsplit_llama.formats.split as sp
 
     monkeypatch.setattr(sp.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10, 10, 1000))
     with pytest.raises(OutputError, match="disk full"):
@@ -240,7 +240,7 @@ def test_disk_full_predicted(tiny_f32, tmp_path, monkeypatch):
 
 
 def test_disk_full_during_write(tiny_f32, tmp_path, monkeypatch):
-    from bitsplit_llama import gguf_file
+    from bitsplit_llama.formats import gguf_file
 
     calls = {"n": 0}
     real = gguf_file.StreamingGGUFWriter.write
@@ -258,7 +258,7 @@ def test_disk_full_during_write(tiny_f32, tmp_path, monkeypatch):
 
 
 def test_interrupt_leaves_nothing(tiny_f32, tmp_path, monkeypatch):
-    from bitsplit_llama import gguf_file
+    from bitsplit_llama.formats import gguf_file
 
     def interrupted(self, data):
         raise KeyboardInterrupt
@@ -347,7 +347,7 @@ def _write_gguf_imatrix(path: Path, weights: dict[str, np.ndarray]) -> None:
 
 @pytest.mark.parametrize("fmt", ["legacy", "gguf"])
 def test_imatrix_changes_the_base(tmp_path, tiny_f32, tiny_split, fmt):
-    from bitsplit_llama.imatrix import load_imatrix
+    from bitsplit_llama.formats.imatrix import load_imatrix
 
     weights = tiny_llama_weights()
     im = tmp_path / f"imatrix.{fmt}"

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from bitsplit_llama import _ggml
 from bitsplit_llama.errors import GGUFFormatError, InputError, MismatchError, UnsupportedModelError
-from bitsplit_llama.gguf_file import GGUFFile
-from bitsplit_llama.residual import Residual
-from bitsplit_llama.runtime import Context, Model
-from bitsplit_llama.split import make_residual, split_model
-from bitsplit_llama.verifier import SplitModel
+from bitsplit_llama.formats import _ggml
+from bitsplit_llama.formats.gguf_file import GGUFFile
+from bitsplit_llama.formats.split import make_residual, split_model
+from bitsplit_llama.native.residual import Residual
+from bitsplit_llama.runtime.llamacpp import Context, Model
+from bitsplit_llama.runtime.verifier import SplitModel
 from synth import tiny_llama_weights, write_llama_gguf
 
 TOKENS = [1] + list(range(260, 300))

@@ -29,9 +29,9 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .engine import Stats
-from .errors import BusyError, InvalidOptionError
-from .sampling import SamplingParams
+from ..speculative.engine import Stats
+from ..errors import BusyError, InvalidOptionError
+from ..speculative.sampling import SamplingParams
 
 
 def _make_class():
@@ -59,7 +59,7 @@ def _make_class():
             drafter: str = "auto",
             verbose: bool = True,
         ):
-            from .generate import Generator
+            from ..speculative.generate import Generator
 
             self.verbose = verbose
             self._stack = contextlib.ExitStack()

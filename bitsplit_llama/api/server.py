@@ -16,7 +16,7 @@ from typing import Any, Iterator, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import BitsplitError, ContextLimitError, InputError
+from ..errors import BitsplitError, ContextLimitError, InputError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000

@@ -6,7 +6,7 @@ second, independent ggml). So the library is located through ``/proc/self/maps``
 ``llama_cpp``, and loaded lazily on first use, never at import time.
 
 Only functions used by the Python side live here; the native residual library declares its own
-through cffi in :mod:`bitsplit_llama.native`.
+through cffi in :mod:`bitsplit_llama.native.cdef`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import NativeError
+from ..errors import NativeError
 
 
 class ggml_type_traits(ctypes.Structure):

@@ -4,7 +4,7 @@ It runs apart from the caller so that (a) a Ctrl-C or a kill of the split can st
 (a ctypes call cannot be interrupted), (b) a llama.cpp abort on a malformed file ends this child,
 not the user's process, and (c) llama.cpp's progress log can be read line by line from its stderr.
 
-Usage (internal): ``python -m bitsplit_llama._quantize_worker JSON`` where JSON holds
+Usage (internal): ``python -m bitsplit_llama.formats._quantize_worker JSON`` where JSON holds
 ``src``, ``dst``, ``ftype``, ``nthread`` and optionally ``imatrix`` (a path). Exit status 0 on success.
 """
 

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .errors import GGUFFormatError, InputError, OutputError
+from ..errors import GGUFFormatError, InputError, OutputError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

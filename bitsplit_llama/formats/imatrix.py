@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import GGUFFormatError, InputError
+from ..errors import GGUFFormatError, InputError
 from .gguf_file import GGUFFile, check_readable_file
 
 

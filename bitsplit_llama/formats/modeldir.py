@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gguf.constants import GGMLQuantizationType as QT
 
-from .errors import GGUFFormatError, InputError, MismatchError, UnsupportedModelError
+from ..errors import GGUFFormatError, InputError, MismatchError, UnsupportedModelError
 from .gguf_file import GGUFFile, fingerprint, type_name
 from .split import BASE_NAME, FORMAT_VERSION, RESIDUAL_NAME
 

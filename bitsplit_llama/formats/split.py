@@ -30,7 +30,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
 
 from . import _ggml
-from .errors import InputError, InvalidOptionError, OutputError, UnsupportedModelError
+from ..errors import InputError, InvalidOptionError, OutputError, UnsupportedModelError
 from .gguf_file import GGUFFile, StreamingGGUFWriter, TensorInfo, fingerprint, iter_row_chunks, type_name, write_error
 
 FORMAT_VERSION = 1
@@ -195,9 +195,9 @@ def quantize_model(src: Path, dst: Path, ftype: str | int, threads: int, imatrix
     ftype_id = FTYPES[ftype] if isinstance(ftype, str) else int(ftype)
     args = {"src": str(src), "dst": str(dst), "ftype": ftype_id, "nthread": threads,
             "imatrix": str(imatrix) if imatrix else None, "parent": os.getpid()}
-    cmd = [sys.executable, "-m", "bitsplit_llama._quantize_worker", json.dumps(args)]
+    cmd = [sys.executable, "-m", "bitsplit_llama.formats._quantize_worker", json.dumps(args)]
     env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parent.parent)
+    pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     tail: list[str] = [] if log_tail is None else log_tail
     before = _peak_rss(resource.RUSAGE_CHILDREN)

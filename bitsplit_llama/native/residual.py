@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import native
-from .errors import GGUFFormatError, InputError, InvalidOptionError, MismatchError, NativeError, UnsupportedModelError
-from .gguf_file import GGUFFile
-from .modeldir import check_pair, split_paths
+from .. import native
+from ..errors import GGUFFormatError, InputError, InvalidOptionError, MismatchError, NativeError, UnsupportedModelError
+from ..formats.gguf_file import GGUFFile
+from ..formats.modeldir import check_pair, split_paths
 
 PRECISIONS = {"auto": 0, "f32": 1, "bf16": 2}
 MODES = {"auto": 0, "add": 1}

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import ContextLimitError, InputError, InvalidOptionError, NativeError, UnsupportedModelError
+from ..errors import ContextLimitError, InputError, InvalidOptionError, NativeError, UnsupportedModelError
 
 
 def _llama():
@@ -40,7 +40,7 @@ def set_verbose(verbose: bool) -> None:
 
 
 def default_threads() -> int:
-    from ._ggml import cpu_count
+    from ..formats._ggml import cpu_count
 
     return cpu_count()
 

@@ -1,16 +1,31 @@
-"""Plain generation with stock llama-cpp-python from one GGUF (used by the demo to show that the
-base is an ordinary model that llama.cpp loads without anything of ours)."""
+"""Stock llama-cpp-python, as a user would run it: ``llama_cpp.Llama`` on one GGUF, with nothing of
+ours loaded into it (the demo's base-only text, the bench's stock side, tests and bench scripts that
+need plain llama.cpp behaviour).
+
+One change, made here and nowhere else: prompts are fed one token per ``llama_decode``
+(``n_batch=1``). llama-cpp-python 0.3.36 built with GCC 12 and -march=native on an AMX CPU crashes
+(SIGILL) in llama.cpp's AMX matmul whenever a batch holds more than one token: GCC drops the stores
+that fill the tile configuration before ``ldtilecfg``. Batch-1 decoding takes the AVX512-VNNI path
+and works; generation is one token per step anyway.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 
-def generate_with_base(path: Path, prompt: str, n_predict: int, n_ctx: int = 512, seed: int = 0) -> str:
+def stock_llama(path: str | os.PathLike[str], n_ctx: int = 256, **kw):
+    """``llama_cpp.Llama(path)`` with one token per batch (see the module doc); ``kw`` go to Llama."""
     from llama_cpp import Llama
 
-    # n_batch=1: see tests/stock.py (llama.cpp AMX crash on batches with this build)
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=1, n_ubatch=1, verbose=False, seed=seed)
+    kw.setdefault("verbose", False)
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=1, n_ubatch=1, **kw)
+
+
+def generate_with_base(path: str | os.PathLike[str], prompt: str, n_predict: int, n_ctx: int = 512,
+                       seed: int = 0) -> str:
+    """Greedy text from one GGUF through stock llama.cpp (the demo shows the base is an ordinary model)."""
+    llm = stock_llama(path, n_ctx=n_ctx, seed=seed)
     try:
         out = llm.create_completion(prompt, max_tokens=n_predict, temperature=0.0)
         return out["choices"][0]["text"]

@@ -10,10 +10,10 @@ import os
 import threading
 from pathlib import Path
 
-from . import native
-from .errors import BusyError
-from .residual import Residual
-from .runtime import Context, Model
+from .. import native
+from ..errors import BusyError
+from ..native.residual import Residual
+from .llamacpp import Context, Model
 
 
 class SplitModel:

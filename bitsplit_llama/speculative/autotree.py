@@ -78,7 +78,7 @@ def _machine_key(threads: int, setup: str = "") -> str:
                     break
     except OSError:
         pass
-    from . import __version__
+    from .. import __version__
 
     key = f"{cpu}|{os.cpu_count()}|{threads}|{__version__}|{PROFILE_VERSION}|{setup}"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -87,7 +87,7 @@ def _machine_key(threads: int, setup: str = "") -> str:
 def cache_path(base_fingerprint: str, threads: int, setup: str = "") -> Path:
     """Where a profile is cached: per base, machine, thread count and ``setup`` (anything else that
     changes pass times: the native library's build, GPU layers, the drafter)."""
-    from .fetch import cache_dir
+    from ..cache import cache_dir
 
     return cache_dir() / "autotree" / f"{base_fingerprint[:16]}-{_machine_key(threads, setup)}.json"
 

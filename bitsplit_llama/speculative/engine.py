@@ -25,8 +25,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import ContextLimitError, InvalidOptionError
-from .runtime import Context
+from ..errors import ContextLimitError, InvalidOptionError
+from ..runtime.llamacpp import Context
 from .sampling import SamplingParams, draft_candidates, draw
 from .tree import ROOT, DraftTree, TreeBuilder, accept
 

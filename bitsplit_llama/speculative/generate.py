@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from .engine import Engine, Stats, TreeShape, n_seq_max_for
-from .errors import BusyError, InvalidOptionError
+from ..errors import BusyError, InvalidOptionError
 from .sampling import SamplingParams
-from .verifier import SplitModel
+from ..runtime.verifier import SplitModel
 
 
 @dataclass
@@ -61,12 +61,12 @@ class Generator:
         self.auto_choice = None
         if auto:
             from . import autotree
-            from .gguf_file import GGUFFile
+            from ..formats.gguf_file import GGUFFile
 
             self.engine = Engine(self.sm, self.shape)
             with GGUFFile(self.sm.residual.residual_path, role="residual") as rg:
                 fp = str(rg.kv.get("bitsplit.base_fingerprint", ""))
-            from .native import build_key
+            from ..native import build_key
 
             setup = f"{build_key()[0]}|ngl={n_gpu_layers}|native_drafter={self.sm.fast_drafter}"
             prof = autotree.load_or_measure(self, fp, self.sm.ctx.n_threads, log, setup)

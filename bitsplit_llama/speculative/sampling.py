@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidOptionError
+from ..errors import InvalidOptionError
 
 
 @dataclass(frozen=True)

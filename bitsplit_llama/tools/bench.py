@@ -7,9 +7,8 @@ after the first divided by the time after the first token (prompt processing is 
 sides). The machine's memory bandwidth is measured in the same run (a threaded numpy max-reduce
 over 1 GiB) to judge the residual pass.
 
-The stock side is ``llama_cpp.Llama`` as an app would use it, with one change: prompts are fed one
-token per batch (``n_batch=1``), because llama-cpp-python 0.3.36 built by GCC 12 crashes in its AMX
-kernels on multi-token batches (see README); generation itself is one token per step anyway.
+The stock side is ``llama_cpp.Llama`` as an app would use it (:func:`~bitsplit_llama.runtime.stock.stock_llama`,
+prompts fed one token per batch for the reason given there).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import InputError, InvalidOptionError, NativeError, OutputError
+from ..errors import InputError, InvalidOptionError, NativeError, OutputError
 
 DEFAULT_PROMPTS = [
     "def quicksort(arr):",
@@ -77,16 +76,15 @@ def _peak_rss() -> int:
 def _worker(cfg: dict) -> None:
     """Serve generation requests (JSON lines on stdin) for one side; answers on stdout."""
     if cfg.get("parent"):
-        from ._quantize_worker import _die_with_parent
+        from ..formats._quantize_worker import _die_with_parent
 
         _die_with_parent(int(cfg["parent"]))  # no orphan worker if the bench is killed while it loads
     side = cfg["side"]
     n_ctx, threads = int(cfg["n_ctx"]), int(cfg["threads"])
     if side == "stock":
-        import llama_cpp
+        from ..runtime.stock import stock_llama
 
-        llm = llama_cpp.Llama(model_path=cfg["path"], n_ctx=n_ctx, n_batch=1, n_ubatch=1, n_threads=threads,
-                              n_threads_batch=threads, verbose=False)
+        llm = stock_llama(cfg["path"], n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads)
 
         def generate(req):
             t_first = t_last = None
@@ -101,8 +99,8 @@ def _worker(cfg: dict) -> None:
                     t_last = now
             return n, t_first, t_last, {}
     else:
-        from .generate import Generator
-        from .sampling import SamplingParams
+        from ..speculative.generate import Generator
+        from ..speculative.sampling import SamplingParams
 
         gen = Generator(cfg["path"], n_ctx=n_ctx, n_threads=threads, tree_nodes=cfg["tree_nodes"],
                         kernel=cfg.get("kernel"), drafter=cfg.get("drafter", "auto"))
@@ -144,12 +142,12 @@ def _worker(cfg: dict) -> None:
 class _Side:
     def __init__(self, cfg: dict):
         env = dict(os.environ)
-        pkg_root = str(Path(__file__).resolve().parent.parent)
+        pkg_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS threads must not compete
         self.name = cfg["side"]
         cfg = {**cfg, "parent": os.getpid()}
-        self.proc = subprocess.Popen([sys.executable, "-m", "bitsplit_llama.bench", "worker", json.dumps(cfg)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "bitsplit_llama.tools.bench", "worker", json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
         first = self._read()
@@ -268,9 +266,9 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
               log: Callable[[str], None] | None = None) -> BenchReport:
     """Stock llama.cpp and bitsplit on the same prompts, interleaved per prompt (stock, bitsplit, and
     with ``with_no_spec`` bitsplit's verifier alone in the same worker), same threads."""
-    from .gguf_file import check_readable_file
-    from .modeldir import validate_split
-    from .runtime import default_threads
+    from ..formats.gguf_file import check_readable_file
+    from ..formats.modeldir import validate_split
+    from ..runtime.llamacpp import default_threads
 
     validate_split(model_dir)
     check_readable_file(Path(vs), "--vs model")
@@ -280,7 +278,7 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
         raise InvalidOptionError(f"--repeat: {repeat} is not a positive integer")
     if temp < 0:
         raise InvalidOptionError(f"--temp: {temp} is negative")
-    from .generate import DRAFTERS
+    from ..speculative.generate import DRAFTERS
 
     if drafter not in DRAFTERS:
         raise InvalidOptionError(f"--drafter: {drafter!r} is not one of {', '.join(DRAFTERS)}")
@@ -376,5 +374,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "worker":
         _worker(json.loads(sys.argv[2]))
     else:
-        print("internal: python -m bitsplit_llama.bench worker CONFIG", file=sys.stderr)
+        print("internal: python -m bitsplit_llama.tools.bench worker CONFIG", file=sys.stderr)
         sys.exit(2)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import InputError, OutputError
+from ..cache import cache_dir
+from ..errors import InputError, OutputError
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,6 @@ MODELS: dict[str, KnownModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("BITSPLIT_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "bitsplit-llama"
 
 
 def _sha256(path: Path) -> str:

@@ -26,7 +26,7 @@ import os
 import time
 from pathlib import Path
 
-from .errors import InputError, InvalidOptionError
+from ..errors import InputError, InvalidOptionError
 
 #: dense models without a file at hand: (layers, embedding, feed-forward, heads, kv heads, vocab)
 PRESETS = {
@@ -49,7 +49,7 @@ def _shape_from(model: str) -> tuple[str, tuple[int, int, int, int, int, int], f
     """(name, dims, parameter count) from a GGUF file or a preset name."""
     p = Path(model)
     if p.exists():
-        from .gguf_file import GGUFFile
+        from ..formats.gguf_file import GGUFFile
 
         with GGUFFile(p, role="model") as g:
             arch = g.architecture
@@ -80,9 +80,9 @@ def _residual_rate_per_core(batch: int) -> tuple[float, str]:
     try:
         import numpy as np
 
-        from . import _ggml
-        from .gguf_file import StreamingGGUFWriter
-        from .native import load
+        from ..formats import _ggml
+        from ..formats.gguf_file import StreamingGGUFWriter
+        from ..native import load
 
         ffi, lib = load()
         import tempfile
@@ -155,7 +155,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
     ram_src = "given"
     if ram_bw is None:
         from .bench import memory_bandwidth
-        from .runtime import default_threads
+        from ..runtime.llamacpp import default_threads
 
         ram_bw = memory_bandwidth(default_threads()) / 1e9
         ram_src = "measured here"

@@ -21,8 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import InputError, InvalidOptionError, MismatchError
-from .gguf_file import GGUFFile, check_readable_file, fingerprint
+from ..errors import InputError, InvalidOptionError, MismatchError
+from ..formats.gguf_file import GGUFFile, check_readable_file, fingerprint
 
 FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 
@@ -65,8 +65,8 @@ def exact_reference(path: Path, threads: int, log: Callable[[str], None] | None 
         if all(t.ggml_type in FLOAT_TYPES for t in g.tensors):
             return path
         fp = fingerprint(g)[:16]
-    from .fetch import cache_dir
-    from .split import quantize_model
+    from ..cache import cache_dir
+    from ..formats.split import quantize_model
 
     out_dir = cache_dir() / "references"
     out = out_dir / f"{path.stem}.{fp}.f32.gguf"
@@ -104,9 +104,9 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
              threads: int | None = None, precision: str = "auto", log: Callable[[str], None] | None = None,
              progress=None) -> EvalReport:
     """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``."""
-    from .modeldir import validate_split
-    from .runtime import Context, Model, default_threads
-    from .verifier import SplitModel
+    from ..formats.modeldir import validate_split
+    from ..runtime.llamacpp import Context, Model, default_threads
+    from ..runtime.verifier import SplitModel
 
     if n_ctx < 16:
         raise InvalidOptionError(f"--n-ctx: {n_ctx} is too small for evaluation (at least 16)")

@@ -1,0 +1,164 @@
+"""Build, locate and load the native library (the C sources of the repository's ``native/``).
+
+The library is compiled on first use (or by ``bitsplit build-native``) with the system C compiler,
+against exactly the ggml headers that llama-cpp-python installed and linked to exactly the
+``libggml-base`` it loaded, so the process holds one ggml. The sources are every ``native/*.c`` plus
+the kernel families of the running architecture, ``native/arch/<arch>/*.c`` (x86 on x86-64, arm on
+aarch64; other machines build the portable sources alone). Builds are cached under
+``<cache>/native/`` per hash of every source and header compiled, compiler flags, llama-cpp-python
+version and library path; nothing is compiled twice. Calls go through cffi's ABI mode with the
+declarations generated from ``bitsplit.h`` (:mod:`.cdef`); the hot path, the eval callback, is
+called by llama.cpp directly.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+from ..errors import NativeError
+
+ARCH_DIRS = {"x86_64": "x86", "amd64": "x86", "aarch64": "arm", "arm64": "arm"}
+CFLAGS = ("-std=c11", "-O3", "-fPIC", "-Wall", "-fvisibility=default")
+
+
+def arch_dir() -> str | None:
+    """The ``native/arch/`` folder of this machine's architecture (None: portable sources only)."""
+    return ARCH_DIRS.get(platform.machine().lower())
+
+
+def sources(src: Path) -> list[str]:
+    """What is compiled, relative to ``src``: native/*.c, then native/arch/<arch>/*.c."""
+    names = sorted(p.name for p in src.glob("*.c"))
+    arch = arch_dir()
+    if arch:
+        names += sorted(f"arch/{arch}/{p.name}" for p in (src / "arch" / arch).glob("*.c"))
+    return names
+
+
+def headers(src: Path) -> list[str]:
+    """Every header the sources may include: native/*.h and native/arch/**/*.h."""
+    return sorted(p.name for p in src.glob("*.h")) + sorted(
+        p.relative_to(src).as_posix() for p in (src / "arch").rglob("*.h"))
+
+
+def include_dirs(src: Path) -> list[Path]:
+    arch = arch_dir()
+    return [src] + ([src / "arch" / arch] if arch and (src / "arch" / arch).is_dir() else [])
+
+
+def source_dir() -> Path:
+    """The C sources: packaged as bitsplit_llama.native_src (the repository's native/ folder)."""
+    try:
+        p = Path(str(resources.files("bitsplit_llama.native_src")))
+        if (p / "bitsplit.h").exists():
+            return p
+    except (ModuleNotFoundError, TypeError):
+        pass
+    p = Path(__file__).resolve().parents[2] / "native"
+    if (p / "bitsplit.h").exists():
+        return p
+    raise NativeError("cannot find the native sources (bitsplit_llama.native_src or ../native next to the package)")
+
+
+def _llama_paths() -> tuple[Path, Path, Path, str]:
+    """(include dir, lib dir, libggml-base path, llama-cpp-python version) of the installed llama_cpp."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise NativeError(f"llama-cpp-python is not importable: {exc}") from None
+    from ..formats import _ggml
+
+    base = _ggml.loaded_ggml_base_path()
+    lib_dir = base.parent
+    pkg = Path(llama_cpp.__file__).resolve().parent
+    tried = [pkg.parent / "include", pkg / "include", Path(sys.prefix) / "include"]
+    for inc in tried:
+        if (inc / "ggml.h").exists() and (inc / "gguf.h").exists() and (inc / "ggml-backend.h").exists():
+            return inc, lib_dir, base, getattr(llama_cpp, "__version__", "?")
+    raise NativeError("cannot find the ggml headers of llama-cpp-python (ggml.h, gguf.h, ggml-backend.h); tried "
+                      + ", ".join(str(t) for t in tried))
+
+
+def _compiler() -> str:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return cand
+    raise NativeError("no C compiler found (tried $CC, cc, gcc, clang): install gcc to build the native library")
+
+
+def _cache_root() -> Path:
+    from ..cache import cache_dir
+
+    return cache_dir() / "native"
+
+
+def build_key() -> tuple[str, dict]:
+    src = source_dir()
+    inc, lib_dir, base, version = _llama_paths()
+    h = hashlib.sha256()
+    for name in sources(src) + headers(src):
+        h.update(name.encode() + b"\0" + (src / name).read_bytes())
+    for name in ("ggml.h", "gguf.h", "ggml-backend.h"):
+        h.update((inc / name).read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(f"{version}|{base}|{platform.machine()}|{sys.platform}".encode())
+    return h.hexdigest()[:20], {"src": src, "inc": inc, "lib_dir": lib_dir, "base": base, "version": version}
+
+
+def build(force: bool = False, log=None) -> Path:
+    """Compile the library if this exact build is not cached; returns the shared library's path."""
+    key, info = build_key()
+    out_dir = _cache_root() / key
+    target = out_dir / "libbitsplit.so"
+    if target.exists() and not force:
+        return target
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise NativeError(f"{out_dir}: cannot create the native build cache ({exc.strerror})") from None
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same thing
+        if target.exists() and not force:
+            return target
+        cc = _compiler()
+        tmp = out_dir / f".libbitsplit.{os.getpid()}.so"
+        cmd = [cc, *CFLAGS, "-shared", *[f"-I{d}" for d in include_dirs(info["src"])], f"-I{info['inc']}",
+               *[str(info["src"] / s) for s in sources(info["src"])], "-o", str(tmp),
+               f"-L{info['lib_dir']}", f"-l:{info['base'].name}", f"-Wl,-rpath,{info['lib_dir']}", "-lpthread"]
+        if log:
+            log(f"building the native library ({cc}) against llama-cpp-python {info['version']} in {info['lib_dir']}")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+            raise NativeError(f"building the native library failed ({cc}, sources {info['src']}, headers "
+                              f"{info['inc']}, libggml-base {info['base']}): {tail}")
+        (out_dir / "build.txt").write_text(" ".join(cmd) + "\n")
+        os.replace(tmp, target)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """(ffi, lib) of the native library, building it first if needed."""
+    import cffi
+
+    from .cdef import cdef
+
+    path = build()
+    ffi = cffi.FFI()
+    ffi.cdef(cdef(source_dir() / "bitsplit.h"))
+    try:
+        lib = ffi.dlopen(str(path))
+    except OSError as exc:
+        raise NativeError(f"{path}: cannot load the native library: {exc} (try 'bitsplit build-native --force')") from None
+    return ffi, lib
