@@ -63,11 +63,11 @@ struct bitsplit_ctx {
     int precision;
     int mode;
     bool replace_ok; /* custom-op layout check passed */
-    const bs_kernel_family * family; /* the preferred family for decode batches (for reporting) */
-    const bs_kernel_family * families[BS_MAX_FAMILIES]; /* decode batches (<= 32 columns), in order */
-    int n_families;
-    const bs_kernel_family * large[BS_MAX_FAMILIES];    /* larger batches (prompts, evaluation) */
-    int n_large;
+    /* A family pinned for decode passes (<= BS_DECODE_COLS columns) by bitsplit_ctx_set_kernel /
+     * choose_kernel, so that every pass of a generation runs the same arithmetic; with pin_all
+     * (BITSPLIT_KERNEL) it serves every batch. NULL: the kernel policy decides per product. */
+    const bs_kernel_family * pinned;
+    bool pin_all;
 
     /* shared by the threads of one product (nodes run one after another) */
     void * acts;
@@ -373,20 +373,25 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
     gguf_free(g_base);
     ggml_free(meta_res);
     ggml_free(meta_base);
+    g_res = g_base = NULL;
+    meta_res = meta_base = NULL;
     ctx->replace_ok = custom_layout_ok();
-    ctx->n_families = bs_kernels_list(getenv("BITSPLIT_KERNEL"), ctx->families, BS_MAX_FAMILIES);
-    ctx->family = ctx->families[0];
-    /* large batches: the tile kernels (their cost barely grows with the batch); the integer kernel
-     * (cost grows per column) only when BITSPLIT_KERNEL names it, to measure it everywhere */
     {
+        int cap;
+        if (!bs_isa_cap(&cap)) {
+            st = fail(err, err_size, BITSPLIT_E_INVALID, "BITSPLIT_MAX_ISA='%s': expected generic, avx2, neon, "
+                      "avx512 or amx", getenv("BITSPLIT_MAX_ISA"));
+            goto fail;
+        }
         const char * env = getenv("BITSPLIT_KERNEL");
-        const bs_kernel_family * all[BS_MAX_FAMILIES];
-        const int n = bs_kernels_list(env, all, BS_MAX_FAMILIES);
-        const bool forced_int = env != NULL && strcmp(env, "vnni-int24") == 0;
-        ctx->n_large = 0;
-        for (int i = 0; i < n; i++) {
-            if (forced_int || strcmp(all[i]->name, "vnni-int24") != 0) {
-                ctx->large[ctx->n_large++] = all[i];
+        if (env != NULL && env[0] != '\0') {
+            ctx->pinned = bs_family_named(env);
+            ctx->pin_all = true;
+            if (ctx->pinned == NULL) {
+                st = fail(err, err_size, BITSPLIT_E_UNSUPPORTED, "BITSPLIT_KERNEL='%s': no such kernel family on "
+                          "this CPU under BITSPLIT_MAX_ISA=%s (this CPU's best for one column: %s)", env,
+                          bs_isa_name(cap), bs_policy(1, NULL)->name);
+                goto fail;
             }
         }
     }
@@ -540,41 +545,25 @@ static void barrier(bitsplit_ctx * ctx, int nth) {
         while (atomic_load_explicit(&ctx->bar_gen, memory_order_acquire) == gen) {
 #if defined(__x86_64__)
             __builtin_ia32_pause();
+#elif defined(__aarch64__)
+            __asm__ volatile("yield");
 #endif
         }
     }
 }
 
-#define BS_DECODE_COLS 32
-
-/* The fast drafter computes a base product only where it beats ggml's own kernel: the integer
- * kernel with 8-bit activations, from 2 columns on. Measured on Qwen2.5-Coder-1.5B's Q2_K base,
- * 2 cores (python bench/draft_speed.py SPLIT): native/ggml time 1.22 at 1 column, 0.86 at
- * 2, 0.65 at 4 -- ggml's single-column K-quant dot product is the faster one. */
-#define BS_DRAFT_MIN_COLS 2
-
-static const bs_kernel_family * draft_family(const bs_job * job) {
-    const bs_kernel_family * all[BS_MAX_FAMILIES];
-    const int n = bs_kernels_list("vnni-int24", all, BS_MAX_FAMILIES);
-    return n > 0 && strcmp(all[0]->name, "vnni-int24") == 0 && all[0]->supports(job) ? all[0] : NULL;
-}
-
-/* Decode batches (the engine's verify passes) use the context's chosen families, so that every
- * pass of one generation runs the same arithmetic; larger batches (prompts) the fastest there is. */
+/* Which family computes a product: the fast drafter's (base alone) by the draft policy; a
+ * decode pass by the family pinned for this generation; anything else by the kernel policy
+ * (kernels.c), the one place that knows the thresholds. */
 static const bs_kernel_family * family_for(const bitsplit_ctx * ctx, const bs_job * job) {
-    if (job->r == NULL && job->w2 != NULL) { /* the fast drafter: ask_draft took it for the integer kernel */
-        const bs_kernel_family * f = draft_family(job);
+    if (job->r == NULL && job->w2 != NULL) { /* the fast drafter: ask_draft took it for this family */
+        const bs_kernel_family * f = bs_draft_policy(job);
         return f != NULL ? f : bs_generic_family();
     }
-    const bool small = job->n_cols <= BS_DECODE_COLS;
-    const bs_kernel_family * const * list = small ? ctx->families : ctx->large;
-    const int n = small ? ctx->n_families : ctx->n_large;
-    for (int i = 0; i < n; i++) {
-        if (list[i]->supports(job)) {
-            return list[i];
-        }
+    if (ctx->pinned != NULL && (ctx->pin_all || job->n_cols <= BS_DECODE_COLS) && ctx->pinned->supports(job)) {
+        return ctx->pinned;
     }
-    return bs_generic_family();
+    return bs_policy(job->n_cols, job);
 }
 
 static int resolve_precision(const bitsplit_ctx * ctx, enum ggml_type base, enum ggml_type res) {
@@ -972,7 +961,7 @@ static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     job.r = NULL;
     job.n_cols = ggml_nrows(x);
     job.precision = resolve_precision(ctx, e->base_type, e->base_type);
-    if (job.n_cols < BS_DRAFT_MIN_COLS || draft_family(&job) == NULL) {
+    if (bs_draft_policy(&job) == NULL) {
         return false; /* ggml's own kernel is as fast or faster here */
     }
     if (!ensure(&ctx->acts, &ctx->acts_size, job_acts_size(ctx, &job) + 64)) {
@@ -1278,21 +1267,73 @@ int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, 
     return st;
 }
 
-const char * bitsplit_kernel_name(void) { return bs_kernels_select(getenv("BITSPLIT_KERNEL"))->name; }
+const char * bitsplit_kernel_name(void) {
+    const char * env = getenv("BITSPLIT_KERNEL");
+    const bs_kernel_family * f = env != NULL && env[0] != '\0' ? bs_family_named(env) : NULL;
+    return f != NULL ? f->name : bs_policy(1, NULL)->name;
+}
+
+const char * bitsplit_kernel_for_batch(int64_t n_cols) {
+    const char * env = getenv("BITSPLIT_KERNEL");
+    const bs_kernel_family * f = env != NULL && env[0] != '\0' ? bs_family_named(env) : NULL;
+    return f != NULL ? f->name : bs_policy(n_cols < 1 ? 1 : n_cols, NULL)->name;
+}
+
+const char * bitsplit_draft_kernel(void) {
+    const bs_kernel_family * f = bs_draft_policy(NULL);
+    return f != NULL ? f->name : "";
+}
+
+int bitsplit_draft_min_cols(void) {
+    const bs_kernel_family * f = bs_draft_policy(NULL);
+    return f != NULL ? f->draft_min_cols : 0;
+}
+
+const char * bitsplit_max_isa(void) {
+    int cap;
+    bs_isa_cap(&cap);
+    return bs_isa_name(cap);
+}
+
+int bitsplit_kernel_families(const char ** names, int max) {
+    const bs_kernel_family * list[BS_MAX_FAMILIES];
+    const int n = bs_policy_list(1, NULL, list, BS_MAX_FAMILIES);
+    for (int i = 0; i < n && i < max; i++) {
+        names[i] = list[i]->name;
+    }
+    return n;
+}
 
 int bitsplit_ctx_set_kernel(bitsplit_ctx * ctx, const char * name) {
     if (ctx == NULL) {
         return BITSPLIT_E_INVALID;
     }
-    const bs_kernel_family * list[BS_MAX_FAMILIES];
-    const int n = bs_kernels_list(name, list, BS_MAX_FAMILIES);
-    if (name != NULL && name[0] != '\0' && (n == 0 || strcmp(list[0]->name, name) != 0)) {
+    if (name == NULL || name[0] == '\0') {
+        if (!ctx->pin_all) ctx->pinned = NULL;
+        return BITSPLIT_OK;
+    }
+    const bs_kernel_family * f = bs_family_named(name);
+    if (f == NULL) {
         return BITSPLIT_E_UNSUPPORTED;
     }
-    memcpy(ctx->families, list, (size_t)n * sizeof(list[0]));
-    ctx->n_families = n;
-    ctx->family = list[0];
+    ctx->pinned = f;
+    ctx->pin_all = false;
     return BITSPLIT_OK;
 }
 
-const char * bitsplit_ctx_kernel(const bitsplit_ctx * ctx) { return ctx ? ctx->family->name : ""; }
+const char * bitsplit_ctx_choose_kernel(bitsplit_ctx * ctx, int64_t n_cols) {
+    if (ctx == NULL) {
+        return "";
+    }
+    if (!ctx->pin_all) {
+        ctx->pinned = bs_policy(n_cols < 1 ? 1 : n_cols, NULL);
+    }
+    return ctx->pinned->name;
+}
+
+const char * bitsplit_ctx_kernel(const bitsplit_ctx * ctx) {
+    if (ctx == NULL) {
+        return "";
+    }
+    return ctx->pinned != NULL ? ctx->pinned->name : bs_policy(1, NULL)->name;
+}

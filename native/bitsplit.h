@@ -110,15 +110,33 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data);
 int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols,
                         float * y, bool with_base);
 
-/* the fastest kernel family this CPU runs ("vnni-int24", "amx-bf16", "avx512-bf16", "generic"),
- * or the one named by the environment variable BITSPLIT_KERNEL (which, read when a context is
- * loaded, then serves every batch size: for measurements) */
+/* Kernel families. One policy (kernels.c) decides which family computes a product, by batch size,
+ * types and precision, among the families this CPU runs under the cap BITSPLIT_MAX_ISA
+ * (generic < avx2 | neon < avx512 < amx; unset: no cap). BITSPLIT_KERNEL names one family that then
+ * serves every batch size (for measurements). Every family computes the same products up to
+ * rounding and each is batch-invariant; tests compare them. */
+
+/* the family the policy picks for one column (or the one BITSPLIT_KERNEL names) */
 const char * bitsplit_kernel_name(void);
-/* use the named family for this context's decode batches (up to 32 columns; larger batches always
- * take the fastest family): NULL or "" restores the default order. BITSPLIT_E_UNSUPPORTED if this
- * CPU cannot run it. Every family computes the same products up to rounding; tests compare them.
+/* the family the policy picks for a quantized product of n_cols columns */
+const char * bitsplit_kernel_for_batch(int64_t n_cols);
+/* the families this CPU runs under the cap, fastest for one column first; returns how many
+ * (names[] gets at most max of them) */
+int bitsplit_kernel_families(const char ** names, int max);
+/* the cap in force ("generic", "avx2" or "neon", "avx512", "amx"); "generic" for a bad value */
+const char * bitsplit_max_isa(void);
+/* the family the fast drafter computes base products with here ("" if none: ggml's kernels draft),
+ * and the smallest batch it takes (ggml is faster below) */
+const char * bitsplit_draft_kernel(void);
+int bitsplit_draft_min_cols(void);
+
+/* pin the named family for this context's decode passes (up to 32 columns; larger passes follow
+ * the policy): NULL or "" unpins. BITSPLIT_E_UNSUPPORTED if this CPU cannot run it (under the cap).
  * One family for every pass of a generation keeps speculative output identical to plain decoding. */
 int bitsplit_ctx_set_kernel(bitsplit_ctx * ctx, const char * name);
+/* pin the family the policy picks for decode passes of n_cols columns; returns its name */
+const char * bitsplit_ctx_choose_kernel(bitsplit_ctx * ctx, int64_t n_cols);
+/* the pinned family, or the policy's pick for one column */
 const char * bitsplit_ctx_kernel(const bitsplit_ctx * ctx);
 
 #ifdef __cplusplus

@@ -50,9 +50,15 @@ typedef struct bs_job {
     void * acts;                 /* activations prepared once per job (shared by the threads) */
 } bs_job;
 
+/* instruction-set levels, for the cap BITSPLIT_MAX_ISA (generic < avx2|neon < avx512 < amx) */
+enum bs_isa { BS_ISA_GENERIC = 0, BS_ISA_SIMD = 1, BS_ISA_AVX512 = 2, BS_ISA_AMX = 3 };
+#define BS_ISA_AVX2 BS_ISA_SIMD
+#define BS_ISA_NEON BS_ISA_SIMD
+
 typedef struct bs_kernel_family {
     const char * name;
-    bool (*available)(void);
+    int isa;                     /* enum bs_isa: the level BITSPLIT_MAX_ISA must allow */
+    bool (*available)(void);     /* whether this CPU runs it (the cap aside) */
     /* whether this family computes this job (types, precision); else the generic family does */
     bool (*supports)(const bs_job * job);
     /* bytes of shared activation buffer for a job (0: the kernel reads x directly) */
@@ -61,13 +67,26 @@ typedef struct bs_kernel_family {
     void (*prepare_acts)(const bs_job * job, int64_t c0, int64_t c1);
     /* compute rows [r0, r1) (multiples of BS_ROW_BLOCK except at the end) */
     void (*rows)(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch);
+    /* the fast drafter (base alone, residual off): the smallest batch where this family beats
+     * ggml's own kernel, measured; 0: never used for drafting */
+    int draft_min_cols;
 } bs_kernel_family;
 
-/* kernels.c */
-const bs_kernel_family * bs_kernels_select(const char * force);
-/* available families in preference order (only: one named family, plus the generic fallback) */
-int bs_kernels_list(const char * only, const bs_kernel_family ** out, int max);
+/* kernels.c: the kernel policy, the one place that decides which family computes a product */
 #define BS_MAX_FAMILIES 8
+#define BS_SMALL_BATCH 4         /* up to here the per-column kernels (vnni-int24) come first */
+#define BS_DECODE_COLS 32        /* a pinned family serves passes up to this many columns */
+/* the cap in force: min(BITSPLIT_MAX_ISA, none); false (and *cap = generic) for a bad value */
+bool bs_isa_cap(int * cap);
+const char * bs_isa_name(int isa);
+/* the family named `name` if this CPU runs it under the cap, else NULL */
+const bs_kernel_family * bs_family_named(const char * name);
+/* usable families in the policy's order for a batch of n_cols (job: only those that support it) */
+int bs_policy_list(int64_t n_cols, const bs_job * job, const bs_kernel_family ** out, int max);
+/* the policy's family for a product (job may be NULL: a quantized product of n_cols columns) */
+const bs_kernel_family * bs_policy(int64_t n_cols, const bs_job * job);
+/* the fast drafter's family for a base-only product, or NULL where ggml's kernel is as fast */
+const bs_kernel_family * bs_draft_policy(const bs_job * job);
 const bs_kernel_family * bs_generic_family(void);
 void * bs_scratch_get(bs_scratch * s, size_t size);
 void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k);

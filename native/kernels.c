@@ -150,46 +150,123 @@ static void generic_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch 
 }
 
 static const bs_kernel_family generic_family = {
-    "generic", generic_available, generic_supports, generic_acts_size, generic_prepare_acts, generic_rows,
+    "generic", BS_ISA_GENERIC, generic_available, generic_supports, generic_acts_size, generic_prepare_acts,
+    generic_rows, 0,
 };
 
-/* x86 families, defined in kernels_x86.c and kernels_int.c when compiled for x86-64 */
+/* ---------------------------------------------------------------------------------------------
+ * the kernel policy: the one place that decides which family computes a product
+ * ------------------------------------------------------------------------------------------- */
+
 #if defined(__x86_64__)
-extern const bs_kernel_family bs_family_vnni_int24;
-extern const bs_kernel_family bs_family_avx512_bf16;
+extern const bs_kernel_family bs_family_vnni_int24;  /* arch/x86/kernels_int.c */
+extern const bs_kernel_family bs_family_avx512_bf16; /* arch/x86/kernels_tiles.c */
 extern const bs_kernel_family bs_family_amx_bf16;
+extern const bs_kernel_family bs_family_avx2_f32;    /* arch/x86/kernels_avx2.c */
+#endif
+#if defined(__aarch64__)
+extern const bs_kernel_family bs_family_neon_f32;    /* arch/arm/kernels_neon.c */
 #endif
 
-/* every family, fastest first; the first that is available and supports a job computes it */
-static const bs_kernel_family * const all_families[] = {
+/* Small batches (decode steps, 2-row verify passes): the per-column integer kernel is the fastest
+ * where it exists (its cost grows with the batch; measured crossover with the tile kernels at 4-5
+ * columns on a 2-core Xeon). Larger batches (trees, prompts, evaluation): the tile kernels, whose
+ * cost barely grows with the batch. Then the plain SIMD family of the architecture, then generic. */
+static const bs_kernel_family * const order_small[] = {
 #if defined(__x86_64__)
-    &bs_family_vnni_int24,
-    &bs_family_amx_bf16,
-    &bs_family_avx512_bf16,
+    &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32,
+#endif
+#if defined(__aarch64__)
+    &bs_family_neon_f32,
 #endif
     &generic_family,
 };
-#define N_FAMILIES (sizeof(all_families) / sizeof(all_families[0]))
+static const bs_kernel_family * const order_large[] = {
+#if defined(__x86_64__)
+    &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32, &bs_family_vnni_int24,
+#endif
+#if defined(__aarch64__)
+    &bs_family_neon_f32,
+#endif
+    &generic_family,
+};
+#define N_FAMILIES (sizeof(order_small) / sizeof(order_small[0]))
 
-int bs_kernels_list(const char * only, const bs_kernel_family ** out, int max) {
+static const char * const isa_names[] = {"generic", "simd", "avx512", "amx"};
+
+const char * bs_isa_name(int isa) {
+#if defined(__aarch64__)
+    if (isa == BS_ISA_SIMD) return "neon";
+#else
+    if (isa == BS_ISA_SIMD) return "avx2";
+#endif
+    return isa >= 0 && isa <= BS_ISA_AMX ? isa_names[isa] : "?";
+}
+
+bool bs_isa_cap(int * cap) {
+    const char * env = getenv("BITSPLIT_MAX_ISA");
+    *cap = BS_ISA_AMX;
+    if (env == NULL || env[0] == '\0') {
+        return true;
+    }
+    static const struct { const char * name; int isa; } names[] = {
+        {"generic", BS_ISA_GENERIC}, {"avx2", BS_ISA_SIMD}, {"neon", BS_ISA_SIMD},
+        {"avx512", BS_ISA_AVX512}, {"amx", BS_ISA_AMX},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (strcmp(env, names[i].name) == 0) {
+            *cap = names[i].isa;
+            return true;
+        }
+    }
+    *cap = BS_ISA_GENERIC;
+    return false;
+}
+
+static bool usable(const bs_kernel_family * f, int cap) {
+    return f->isa <= cap && f->available();
+}
+
+const bs_kernel_family * bs_family_named(const char * name) {
+    int cap;
+    bs_isa_cap(&cap);
+    for (size_t i = 0; i < N_FAMILIES; i++) {
+        if (strcmp(order_small[i]->name, name) == 0) {
+            return usable(order_small[i], cap) ? order_small[i] : NULL;
+        }
+    }
+    return NULL;
+}
+
+int bs_policy_list(int64_t n_cols, const bs_job * job, const bs_kernel_family ** out, int max) {
+    int cap;
+    bs_isa_cap(&cap);
+    const bs_kernel_family * const * order = n_cols <= BS_SMALL_BATCH ? order_small : order_large;
     int n = 0;
     for (size_t i = 0; i < N_FAMILIES && n < max; i++) {
-        const bs_kernel_family * f = all_families[i];
-        const bool named = only != NULL && only[0] != '\0';
-        if (named && strcmp(only, f->name) != 0 && f != &generic_family) {
-            continue;
-        }
-        if (f->available()) {
-            out[n++] = f;
+        if (usable(order[i], cap) && (job == NULL || order[i]->supports(job))) {
+            out[n++] = order[i];
         }
     }
     return n;
 }
 
-const bs_kernel_family * bs_kernels_select(const char * force) {
-    const bs_kernel_family * list[N_FAMILIES];
-    const int n = bs_kernels_list(force, list, (int)N_FAMILIES);
-    return n > 0 ? list[0] : &generic_family;
+const bs_kernel_family * bs_policy(int64_t n_cols, const bs_job * job) {
+    const bs_kernel_family * f;
+    return bs_policy_list(n_cols, job, &f, 1) == 1 ? f : &generic_family;
+}
+
+const bs_kernel_family * bs_draft_policy(const bs_job * job) {
+    int cap;
+    bs_isa_cap(&cap);
+    for (size_t i = 0; i < N_FAMILIES; i++) {
+        const bs_kernel_family * f = order_small[i];
+        if (f->draft_min_cols > 0 && usable(f, cap) && (job == NULL || (job->n_cols >= f->draft_min_cols &&
+                                                                       f->supports(job)))) {
+            return f;
+        }
+    }
+    return NULL;
 }
 
 const bs_kernel_family * bs_generic_family(void) { return &generic_family; }

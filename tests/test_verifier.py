@@ -226,49 +226,15 @@ def test_crafted_residual_refused_by_native(tiny_split, tmp_path, case):
     assert str(bad) in str(ei.value)
 
 
-def test_kernel_families_agree_and_are_batch_invariant(tiny_split):
-    """Every kernel family this CPU runs computes the same products (up to f32 summation order),
-    and none lets a column's result depend on the rest of the batch."""
-    from bitsplit_llama import native
-
-    ffi, lib = native.load()
-    with Residual(tiny_split) as r, GGUFFile(tiny_split / "base.gguf") as b, \
-            GGUFFile(tiny_split / "residual.gguf") as rg:
-        r.set_precision("bf16")
-        fams = []
-        for fam in ("generic", "avx512-bf16", "amx-bf16", "vnni-int24"):
-            try:
-                r.set_kernel(fam)
-                fams.append(fam)
-            except UnsupportedModelError:
-                pass
-        assert "generic" in fams
-        for name in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight"):
-            bt, rt = b.tensor(name), rg.tensor(name)
-            W = (_ggml.dequantize_rows(b.read_rows(bt, 0, bt.n_rows), bt.ggml_type, bt.n_per_row)
-                 + _ggml.dequantize_rows(rg.read_rows(rt, 0, rt.n_rows), rt.ggml_type, rt.n_per_row))
-            # decode batches (<= 32 columns) run the family chosen for the context
-            x = np.random.default_rng(5).standard_normal((31, bt.n_per_row)).astype(np.float32)
-            ref = x.astype(np.float64) @ W.astype(np.float64).T
-            outs = {}
-            for fam in fams:
-                r.set_kernel(fam)
-                outs[fam] = r.matmul(name, x)
-                assert np.abs(outs[fam] - ref).max() / np.abs(ref).max() < 1e-2, fam
-                for n in (1, 5, 16, 17):
-                    assert np.array_equal(r.matmul(name, x[:n]), outs[fam][:n]), (fam, n)
-            # the two tile families share their numerics (bf16(W2) + bf16(R)); the integer one is
-            # exact up to float rounding
-            if "amx-bf16" in outs and "avx512-bf16" in outs:
-                assert np.abs(outs["amx-bf16"] - outs["avx512-bf16"]).max() / np.abs(ref).max() < 1e-5
-            if "vnni-int24" in outs:
-                assert np.abs(outs["vnni-int24"] - ref).max() / np.abs(ref).max() < 1e-5
-
-
 def test_fast_drafter_computes_the_base_products(tiny_split):
-    """With the residual off, the native integer kernel computes the base's products of batches of 2
-    or more tokens (where it beats ggml on CPUs); its logits are the base's up to activation
-    rounding, and a single-token pass is left to ggml."""
+    """With the residual off, the native drafting family (where this CPU has one) computes the base's
+    products of batches of 2 or more tokens (where it beats ggml on CPUs); its logits are the base's
+    up to activation rounding, and a single-token pass is left to ggml."""
+    from bitsplit_llama.native import policy
+
+    if policy.draft_kernel() is None:
+        pytest.skip(f"no native drafting family on this CPU under BITSPLIT_MAX_ISA={policy.max_isa()} "
+                    "(test_stock_drafter_without_a_native_family covers it)")
     toks = TOKENS[:20]
     with SplitModel(tiny_split, n_ctx=128, n_batch=64, fast_drafter=False) as sm:
         with sm.drafting() as ctx:
@@ -286,3 +252,23 @@ def test_fast_drafter_computes_the_base_products(tiny_split):
     # both round activations to 8 bits per 256 values, ggml to Q8_K and the native kernel its own way
     assert np.abs(fast - stock).max() < 0.1 * np.abs(stock).max()
     assert np.mean(np.argmax(fast, axis=1) == np.argmax(stock, axis=1)) > 0.9
+
+
+def test_stock_drafter_without_a_native_family(tiny_split):
+    """Where no native drafting family runs, the drafter is llama.cpp's own kernels, reported as such,
+    and the library takes none of the base's products: the logits are the base's bit for bit."""
+    from bitsplit_llama.native import policy
+
+    if policy.draft_kernel() is not None:
+        pytest.skip(f"this CPU has the native drafting family {policy.draft_kernel()}")
+    toks = TOKENS[:20]
+    with SplitModel(tiny_split, n_ctx=128, n_batch=64) as sm:
+        assert sm.fast_drafter is False and sm.drafter == "llama.cpp"
+        with sm.drafting() as ctx:
+            ctx.decode(toks, list(range(len(toks))))
+            auto = ctx.logits(len(toks)).copy()
+        assert sm.residual.counters().n_draft_products == 0
+    with SplitModel(tiny_split, n_ctx=128, n_batch=64, fast_drafter=False) as sm:
+        with sm.drafting() as ctx:
+            ctx.decode(toks, list(range(len(toks))))
+            assert np.array_equal(ctx.logits(len(toks)), auto)

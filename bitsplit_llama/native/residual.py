@@ -131,20 +131,12 @@ class Residual:
         return self.kernel
 
     def choose_decode_kernel(self, batch: int, name: str | None = None) -> str:
-        """Pick the kernel family for decode passes of ``batch`` columns (one family for a whole
-        generation keeps speculative output identical to plain decoding): ``name`` if given, else the
-        integer kernel for small batches (fastest and exact up to float rounding at 1..4 columns)
-        and the bf16 tile kernels beyond (their cost barely grows with the batch)."""
+        """Pin the kernel family for decode passes of ``batch`` columns (one family for a whole
+        generation keeps speculative output identical to plain decoding): ``name`` if given, else
+        the native kernel policy's choice for that batch (the thresholds live only there)."""
         if name:
             return self.set_kernel(name)
-        self.set_kernel(None)
-        if batch > 4:
-            for fam in ("amx-bf16", "avx512-bf16"):
-                try:
-                    return self.set_kernel(fam)
-                except UnsupportedModelError:
-                    continue
-        return self.kernel
+        return self._ffi.string(self._lib.bitsplit_ctx_choose_kernel(self.ptr, int(batch))).decode()
 
     @property
     def kernel(self) -> str:

@@ -11,7 +11,8 @@ import threading
 from pathlib import Path
 
 from .. import native
-from ..errors import BusyError
+from ..errors import BusyError, UnsupportedModelError
+from ..native import policy
 from ..native.residual import Residual
 from .llamacpp import Context, Model
 
@@ -44,11 +45,19 @@ class SplitModel:
                 self.model.close()
                 raise
             self.residual.set_threads(self.ctx.n_threads)
-            # on the CPU the base's own products go faster through the native integer kernel than
-            # through ggml's K-quant kernels; with GPU layers the drafter stays stock
+            # where the native policy has a drafting family (AVX512-VNNI today), the base's own
+            # products go faster through it than through ggml's K-quant kernels on the CPU; with GPU
+            # layers, or without such a family, the drafter stays stock
+            draft_family = policy.draft_kernel()
             if fast_drafter is None:
-                fast_drafter = n_gpu_layers == 0
+                fast_drafter = n_gpu_layers == 0 and draft_family is not None
+            if fast_drafter and draft_family is None:
+                raise UnsupportedModelError(
+                    "--drafter native: this CPU has no native drafting kernel (it needs AVX512-VNNI; kernel "
+                    f"families here: {', '.join(policy.families())}); use --drafter llama.cpp or auto")
             self.fast_drafter = bool(fast_drafter)
+            # who computes the drafter's products: the native family, or llama.cpp's own kernels
+            self.drafter = draft_family if self.fast_drafter else "llama.cpp"
             self.residual.set_draft_kernel(self.fast_drafter)
         except BaseException:
             self.residual.close()

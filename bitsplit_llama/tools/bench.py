@@ -121,7 +121,7 @@ def _worker(cfg: dict) -> None:
             st = res[0].stats if res else None
             extra = st.to_json() if st else {}
             extra["kernel"] = gen.kernel
-            extra["drafter"] = "native" if gen.sm.fast_drafter else "llama.cpp"
+            extra["drafter"] = gen.sm.drafter  # what actually ran: a native family or llama.cpp
             extra["shape"] = [gen.shape.nodes, gen.shape.width, gen.shape.rounds]
             return n, t_first, t_last, extra
 

@@ -78,7 +78,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 from synth import tiny_llama_weights, write_llama_gguf, write_tiny_llama
-from bitsplit_llama.split import split_model
+from bitsplit_llama.formats.split import split_model
 
 work = Path(sys.argv[1])
 dense = write_tiny_llama(work / "tiny-f32.gguf")

@@ -12,6 +12,8 @@
  * (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0) and for the residual types (Q6_K, Q8_0); any
  * other readable type goes through ggml's own dequantizer, block by block.
  */
+#if defined(__x86_64__)
+
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <stdlib.h>
@@ -21,8 +23,6 @@
 
 #include "bitsplit.h"
 #include "bs_internal.h"
-
-#if defined(__x86_64__)
 
 #define TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2")))
 #define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2,amx-tile,amx-bf16")))
@@ -612,7 +612,7 @@ TGT_AVX512 static void avx512_rows(const bs_job * job, int64_t r0, int64_t r1, b
 }
 
 const bs_kernel_family bs_family_avx512_bf16 = {
-    "avx512-bf16", avx512_available, fast_types, avx512_acts_size, avx512_prepare_acts, avx512_rows,
+    "avx512-bf16", BS_ISA_AVX512, avx512_available, fast_types, avx512_acts_size, avx512_prepare_acts, avx512_rows, 0,
 };
 
 /* ---------------------------------------------------------------------------------------------
@@ -789,7 +789,7 @@ TGT_AMX static void amx_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scra
 }
 
 const bs_kernel_family bs_family_amx_bf16 = {
-    "amx-bf16", amx_available, fast_types, amx_acts_size, amx_prepare_acts, amx_rows,
+    "amx-bf16", BS_ISA_AMX, amx_available, fast_types, amx_acts_size, amx_prepare_acts, amx_rows, 0,
 };
 
 #endif /* __x86_64__ */

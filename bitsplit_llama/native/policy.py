@@ -1,0 +1,50 @@
+"""What the native kernel policy decides, asked of the library (the thresholds live only in C:
+``native/kernels.c``): which kernel families this CPU runs under the cap ``BITSPLIT_MAX_ISA``, which
+one computes a product of a given batch, and which one (if any) the fast drafter uses."""
+
+from __future__ import annotations
+
+from .build import load
+
+# Every family the library has, on some architecture (x86-64: the first five; AArch64: neon-f32 and
+# generic). What runs here is families().
+ALL_FAMILIES = ("vnni-int24", "amx-bf16", "avx512-bf16", "avx2-f32", "neon-f32", "generic")
+# The values BITSPLIT_MAX_ISA accepts, lowest first (avx2 and neon are the same level).
+ISA_LEVELS = ("generic", "avx2", "neon", "avx512", "amx")
+
+
+def _s(p) -> str:
+    ffi, _ = load()
+    return ffi.string(p).decode()
+
+
+def families() -> list[str]:
+    """The families this CPU runs under the cap, the policy's order for one column."""
+    ffi, lib = load()
+    names = ffi.new("const char *[]", 16)
+    n = lib.bitsplit_kernel_families(names, 16)
+    return [ffi.string(names[i]).decode() for i in range(min(n, 16))]
+
+
+def kernel_for_batch(n_cols: int) -> str:
+    """The family the policy picks for a quantized product of ``n_cols`` columns."""
+    _, lib = load()
+    return _s(lib.bitsplit_kernel_for_batch(int(n_cols)))
+
+
+def draft_kernel() -> str | None:
+    """The family the fast drafter computes base products with here (None: ggml's kernels draft)."""
+    _, lib = load()
+    return _s(lib.bitsplit_draft_kernel()) or None
+
+
+def draft_min_cols() -> int:
+    """The smallest batch the fast drafter takes (ggml's kernel is faster below); 0 if none."""
+    _, lib = load()
+    return int(lib.bitsplit_draft_min_cols())
+
+
+def max_isa() -> str:
+    """The cap in force (``BITSPLIT_MAX_ISA``; unset: amx, i.e. none)."""
+    _, lib = load()
+    return _s(lib.bitsplit_max_isa())

@@ -1,0 +1,139 @@
+"""The native kernel families, one by one: each against the float64 reference, batch-invariant,
+on random (tiny split) and real (SmolLM2) tensors; the ISA cap; the policy.
+
+A family this CPU cannot run is skipped with the reason, never replaced by another: run the suite
+under ``BITSPLIT_MAX_ISA=generic|avx2|avx512`` to test the lower paths on a bigger CPU (.ci/run
+does so for every level the machine has)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bitsplit_llama.errors import UnsupportedModelError
+from bitsplit_llama.formats import _ggml
+from bitsplit_llama.formats.gguf_file import GGUFFile
+from bitsplit_llama.native import policy
+from bitsplit_llama.native.residual import Residual
+
+HERE = policy.families()
+
+# relative error bound against the float64 product, per family: the f32 families and the integer
+# one (exact weights, 24-bit activations) are exact up to f32 summation; the bf16 families round
+# weights and activations to 8-bit mantissas
+TOL = {"vnni-int24": 1e-5, "avx2-f32": 1e-5, "neon-f32": 1e-5, "amx-bf16": 1e-2, "avx512-bf16": 1e-2,
+       "generic": 1e-2}
+
+
+def _runs_here(fam: str) -> None:
+    if fam not in HERE:
+        pytest.skip(f"{fam} does not run on this CPU under BITSPLIT_MAX_ISA={policy.max_isa()} "
+                    f"(families here: {', '.join(HERE)})")
+
+
+def _weights(split, name):
+    with GGUFFile(split / "base.gguf") as b, GGUFFile(split / "residual.gguf") as rg:
+        bt, rt = b.tensor(name), rg.tensor(name)
+        w2 = _ggml.dequantize_rows(b.read_rows(bt, 0, bt.n_rows), bt.ggml_type, bt.n_per_row)
+        r = _ggml.dequantize_rows(rg.read_rows(rt, 0, rt.n_rows), rt.ggml_type, rt.n_per_row)
+        return w2.astype(np.float64), r.astype(np.float64), bt.ggml_type, rt.ggml_type
+
+
+def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5):
+    with Residual(split) as res:
+        res.set_precision("auto")
+        assert res.set_kernel(fam) == fam
+        for name in names:
+            w2, r, _, _ = _weights(split, name)
+            x = np.random.default_rng(seed).standard_normal((max(n_cols), w2.shape[1])).astype(np.float32)
+            # an outlier channel, as real activations have at a text's first position
+            x[:, 3] *= 60.0
+            for with_base, W in ((True, w2 + r), (False, r)):
+                ref = x.astype(np.float64) @ W.T
+                full = res.matmul(name, x, with_base=with_base)
+                err = np.abs(full - ref).max() / np.abs(ref).max()
+                assert err < TOL[fam], (fam, name, with_base, err)
+                for n in n_cols:  # a column's result never depends on the rest of the batch
+                    assert np.array_equal(res.matmul(name, x[:n], with_base=with_base), full[:n]), (fam, name, n)
+            assert res.counters().n_errors == 0
+
+
+@pytest.mark.parametrize("fam", policy.ALL_FAMILIES)
+def test_family_against_reference_tiny(tiny_split, fam):
+    """Random weights (the tiny split's Q2_K mix base + Q6_K residual)."""
+    _runs_here(fam)
+    _check_family(tiny_split, fam, ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight"))
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fam", policy.ALL_FAMILIES)
+def test_family_against_reference_real(smollm2_split_q8, fam):
+    """Real tensors: SmolLM2's split (Q4_0/Q8_0/Q6_K base rows 576 wide, Q8_0 residual)."""
+    _runs_here(fam)
+    _check_family(smollm2_split_q8, fam, ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "blk.5.ffn_up.weight"),
+                  n_cols=(1, 2, 4, 9))
+
+
+def test_every_family_this_cpu_runs_is_offered():
+    """The CPU's own families are all there (none silently missing), in the policy's order."""
+    assert HERE[-1] == "generic"
+    assert set(HERE) <= set(policy.ALL_FAMILIES)
+    assert policy.kernel_for_batch(1) == HERE[0] or os.environ.get("BITSPLIT_KERNEL")
+    if sys.platform == "linux" and os.uname().machine == "x86_64" and policy.max_isa() != "generic":
+        flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
+        if {"avx2", "fma", "f16c"} <= set(flags):
+            assert "avx2-f32" in HERE  # every AVX2 CPU has a SIMD family
+        if "avx512_vnni" in flags and policy.max_isa() in ("avx512", "amx"):
+            assert "vnni-int24" in HERE
+
+
+def _families_under(cap: str) -> subprocess.CompletedProcess:
+    code = "import json; from bitsplit_llama.native import policy; " \
+           "print(json.dumps([policy.max_isa(), policy.families(), policy.draft_kernel()]))"
+    env = {**os.environ, "BITSPLIT_MAX_ISA": cap}
+    env.pop("BITSPLIT_KERNEL", None)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("cap", ["generic", "avx2", "avx512"])
+def test_isa_cap_limits_the_families(cap):
+    p = _families_under(cap)
+    assert p.returncode == 0, p.stderr
+    isa, fams, drafter = json.loads(p.stdout.strip().splitlines()[-1])
+    assert isa == cap or (cap == "avx2" and isa == "neon")
+    assert fams[-1] == "generic"
+    if cap == "generic":
+        assert fams == ["generic"] and drafter is None
+    if cap in ("generic", "avx2"):
+        assert not {"vnni-int24", "amx-bf16", "avx512-bf16"} & set(fams)
+        assert drafter is None  # the only native drafter needs AVX512-VNNI
+    assert "amx-bf16" not in fams
+
+
+def test_bad_isa_cap_is_refused(tiny_split):
+    """A misspelt cap is an error naming the value, not a silent fallback."""
+    code = f"from bitsplit_llama.native.residual import Residual; Residual({str(tiny_split)!r})"
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "BITSPLIT_MAX_ISA": "avx3"},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "BITSPLIT_MAX_ISA='avx3'" in p.stderr
+
+
+def test_unknown_kernel_is_refused(tiny_split):
+    with Residual(tiny_split) as res:
+        before = res.kernel
+        with pytest.raises(UnsupportedModelError, match="no-such-family"):
+            res.set_kernel("no-such-family")
+        assert res.kernel == before
+
+
+def test_decode_kernel_follows_the_policy(tiny_split):
+    """choose_decode_kernel asks the native policy (no thresholds in Python)."""
+    with Residual(tiny_split) as res:
+        for batch in (1, 2, 5, 17, 64):
+            assert res.choose_decode_kernel(batch) == policy.kernel_for_batch(batch)
+            assert res.kernel == policy.kernel_for_batch(batch)
