@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bitsplit_llama.speculative.sampling import SamplingParams, draw, processed
-from bitsplit_llama.speculative.tree import ROOT, DraftTree, TreeBuilder, accept, top_candidates
+from bitsplit_llama.speculative.sampling import SamplingParams, draw, processed, top_candidates
+from bitsplit_llama.speculative.tree import ROOT, DraftTree, TreeBuilder, accept
 
 
 @st.composite

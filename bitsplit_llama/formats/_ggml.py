@@ -91,9 +91,6 @@ def lib() -> ctypes.CDLL:
     # const struct ggml_type_traits * ggml_get_type_traits(enum ggml_type type);
     dll.ggml_get_type_traits.argtypes = [ctypes.c_int]
     dll.ggml_get_type_traits.restype = ctypes.POINTER(ggml_type_traits)
-    # bool ggml_validate_row_data(enum ggml_type type, const void * data, size_t nbytes);
-    dll.ggml_validate_row_data.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
-    dll.ggml_validate_row_data.restype = ctypes.c_bool
     # void ggml_quantize_init(enum ggml_type type);
     dll.ggml_quantize_init.argtypes = [ctypes.c_int]
     dll.ggml_quantize_init.restype = None
@@ -170,12 +167,6 @@ def dequantize_rows(raw: np.ndarray, ggml_type: int, n_per_row: int) -> np.ndarr
 
 def row_size(ggml_type: int, n_per_row: int) -> int:
     return int(lib().ggml_row_size(ggml_type, n_per_row))
-
-
-def validate_row_data(ggml_type: int, raw: np.ndarray) -> bool:
-    """ggml's own check of quantized data (NaN/inf scales and the like)."""
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    return bool(lib().ggml_validate_row_data(ggml_type, raw.ctypes.data, raw.nbytes))
 
 
 def cpu_count() -> int:

@@ -16,14 +16,14 @@ from gguf.constants import GGMLQuantizationType as QT
 
 from ..errors import GGUFFormatError, InputError, MismatchError, UnsupportedModelError
 from .gguf_file import GGUFFile, fingerprint, type_name
-from .split import BASE_NAME, FORMAT_VERSION, RESIDUAL_NAME
+from .split import BASE_NAME, FORMAT_VERSION, RESIDUAL_NAME, BitsPerWeight
 
 #: residual tensor types the verifier knows how to apply
 SUPPORTED_RESIDUAL_TYPES = {int(QT.Q6_K), int(QT.Q8_0), int(QT.F16), int(QT.F32)}
 
 
 @dataclass
-class SplitInfo:
+class SplitInfo(BitsPerWeight):
     dir: Path
     architecture: str
     base_path: Path
@@ -40,14 +40,6 @@ class SplitInfo:
     fingerprint_ok: bool
     source_file: str
     base_fingerprint: str
-
-    @property
-    def base_bpw(self) -> float:
-        return 8 * self.base_bytes / max(1, self.n_params)
-
-    @property
-    def residual_bpw(self) -> float:
-        return 8 * self.residual_bytes / max(1, self.n_params)
 
     def to_json(self) -> dict:
         return {

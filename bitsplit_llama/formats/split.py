@@ -66,8 +66,25 @@ class ResidualTensor:
     fallback: bool
 
 
+class BitsPerWeight:
+    """Bits per weight of each half, for a dataclass with ``n_params``, ``base_bytes`` and
+    ``residual_bytes`` (the split's report and a split directory's description)."""
+
+    n_params: int
+    base_bytes: int
+    residual_bytes: int
+
+    @property
+    def base_bpw(self) -> float:
+        return 8 * self.base_bytes / max(1, self.n_params)
+
+    @property
+    def residual_bpw(self) -> float:
+        return 8 * self.residual_bytes / max(1, self.n_params)
+
+
 @dataclass
-class SplitReport:
+class SplitReport(BitsPerWeight):
     source: Path
     out_dir: Path
     base_path: Path
@@ -86,14 +103,6 @@ class SplitReport:
     fallbacks: int
     exact_tensors: int
     residual_tensors: list[ResidualTensor] = field(default_factory=list)
-
-    @property
-    def base_bpw(self) -> float:
-        return 8 * self.base_bytes / max(1, self.n_params)
-
-    @property
-    def residual_bpw(self) -> float:
-        return 8 * self.residual_bytes / max(1, self.n_params)
 
     def to_json(self) -> dict:
         return {

@@ -39,10 +39,12 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = x.max()
-    z = x - m
-    return z - np.log(np.exp(z).sum())
+def top_candidates(scores: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The m highest-scoring tokens of a logit or log-probability vector, best first."""
+    m = min(m, scores.shape[-1])
+    idx = np.argpartition(scores, -m)[-m:]
+    idx = idx[np.argsort(-scores[idx], kind="stable")]
+    return idx, scores[idx]
 
 
 def processed(logits: np.ndarray, sp: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -90,11 +92,9 @@ def draft_candidates(logits: np.ndarray, sp: SamplingParams, m: int) -> tuple[np
     (greedy runs rank by the plain softmax, which orders tokens as the argmax would)."""
     logits = np.asarray(logits, dtype=np.float32)
     if sp.greedy:
-        m = min(m, logits.shape[-1])
-        idx = np.argpartition(logits, -m)[-m:]
-        idx = idx[np.argsort(-logits[idx], kind="stable")]
+        idx, top = top_candidates(logits, m)
         mx = float(logits.max())
         lse = mx + float(np.log(np.exp(logits - mx).sum()))
-        return idx, logits[idx].astype(np.float64) - lse
+        return idx, top.astype(np.float64) - lse
     ids, p = processed(logits, sp)
     return ids[:m], np.log(p[:m])

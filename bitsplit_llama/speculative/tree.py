@@ -1,4 +1,4 @@
-"""Draft trees and the acceptance rule: pure Python/numpy, testable without a model.
+"""Draft trees and the acceptance rule: pure Python, testable without a model.
 
 A draft tree hangs under a *root*: the last emitted token, not yet in the KV cache. Each node is a
 drafted token with its parent, depth (root = 0) and cumulative draft log-probability. The engine
@@ -19,8 +19,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
-
-import numpy as np
 
 ROOT = -1
 
@@ -196,14 +194,3 @@ class TreeBuilder:
             c = heapq.heappop(self._pool)
             added.append(self.tree.add(c.token, c.parent, -c.neg_logp))
         return added
-
-    def best_pending_logp(self) -> float:
-        return -self._pool[0].neg_logp if self._pool else -np.inf
-
-
-def top_candidates(logprobs: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """The m most probable tokens of a log-probability vector, most probable first."""
-    m = min(m, logprobs.shape[-1])
-    idx = np.argpartition(logprobs, -m)[-m:]
-    idx = idx[np.argsort(-logprobs[idx], kind="stable")]
-    return idx, logprobs[idx]
