@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
-import threading
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from ..speculative.engine import Stats
-from ..errors import BusyError, InvalidOptionError
+from ..errors import InvalidOptionError
 from ..speculative.sampling import SamplingParams
 
 
@@ -71,16 +69,13 @@ def _make_class():
             sm = self._gen.sm
             self.model_path = str(sm.residual.base_path)
             self.tree_nodes = tree_nodes
-            self.last_stats: Stats | None = None
-            self._call_lock = threading.Lock()
 
             # llama-cpp-python's wrappers over *our* model and context: they do not own them
             self._model = _borrow(internals.LlamaModel, model=sm.model.ptr, vocab=sm.model.vocab,
                                   path_model=self.model_path, verbose=verbose)
             self._ctx = _borrow(internals.LlamaContext, ctx=sm.ctx.ptr, model=self._model, verbose=verbose,
                                 memory=sm.ctx.mem)
-            self.model_params = llama_cpp.llama_model_default_params()
-            self.model_params.n_gpu_layers = n_gpu_layers
+            self.model_params = sm.model.params
             self.context_params = sm.ctx._params
             self.n_batch = sm.ctx.n_batch
             self.n_threads = self.n_threads_batch = sm.ctx.n_threads
@@ -149,19 +144,17 @@ def _make_class():
             seed = int(self._seed) % (2**63)
             sp = SamplingParams(temperature=max(0.0, float(temp)), top_k=int(top_k), top_p=float(top_p),
                                 min_p=float(min_p), seed=seed)
-            # one generation at a time per model (one KV cache): a concurrent caller is told so
-            if not self._call_lock.acquire(blocking=False):
-                raise BusyError(f"{self.model_dir}: the model is busy with another request")
+            tokens = list(tokens)
+            # the Generator's path and lock, as for every other caller: one generation at a time per
+            # model (one KV cache), a concurrent caller gets BusyError
+            chunks = self._gen.tokens(tokens, max_tokens=max(1, self._gen.n_ctx - len(tokens)), sampling=sp)
             try:
-                stats = Stats()
-                self.last_stats = stats
-                tokens = list(tokens)
-                max_tokens = max(1, self._gen.n_ctx - len(tokens))
-                # llama_cpp.Llama's callers read the context's tokens from input_ids[:n_tokens]
-                self.input_ids[:len(tokens)] = tokens
-                self.n_tokens = len(tokens)
-                for chunk in self._gen.engine.generate(tokens, max_tokens, sp, speculative=self._gen.shape.nodes > 0,
-                                                       is_stop=self._gen.model.is_eog, stats=stats):
+                first = True
+                for chunk in chunks:
+                    if first:  # the lock is held from here: llama_cpp.Llama's callers read input_ids[:n_tokens]
+                        self.input_ids[:len(tokens)] = tokens
+                        self.n_tokens = len(tokens)
+                        first = False
                     for t in chunk:
                         if self.n_tokens < len(self.input_ids):
                             self.input_ids[self.n_tokens] = t
@@ -171,7 +164,12 @@ def _make_class():
                         if stopping_criteria is not None and stopping_criteria(self._input_ids, self.scores[-1, :]):
                             return
             finally:
-                self._call_lock.release()
+                chunks.close()
+
+        @property
+        def last_stats(self) -> Stats | None:
+            """The statistics of the latest generation (filled in as it runs)."""
+            return self._gen.last_stats
 
         # -- the parts of llama_cpp.Llama that do not apply -------------------------------------
         def eval(self, tokens):  # noqa: D102
@@ -200,7 +198,7 @@ def _make_class():
             raise NotImplementedError("BitsplitLlama cannot be pickled")
 
         def reset(self):  # noqa: D102
-            self._gen.engine.reset()
+            self._gen.reset()
 
         def n_ctx(self) -> int:  # noqa: D102
             return self._gen.n_ctx

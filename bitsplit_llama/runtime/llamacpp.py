@@ -61,6 +61,7 @@ class Model:
         p.use_extra_bufts = False
         if not use_mmap:
             p.load_mode = ll.LLAMA_LOAD_MODE_NONE
+        self.params = p
         self.ptr = ll.llama_model_load_from_file(str(self.path).encode(), p)
         if not self.ptr:
             raise UnsupportedModelError(f"{self.path}: llama.cpp could not load the model (run with verbose=True for its log)")
@@ -113,6 +114,11 @@ class Model:
     def bos(self) -> int:
         return int(_llama().llama_vocab_bos(self.vocab))
 
+    @property
+    def add_bos(self) -> bool:
+        """Whether the vocabulary asks for a BOS token in front of a text."""
+        return bool(_llama().llama_vocab_get_add_bos(self.vocab))
+
 
 class Context:
     """A llama.cpp context (llama_context *) over a Model, with an optional eval callback."""
@@ -153,6 +159,7 @@ class Context:
         # llama.cpp may round the cache up (to 256 cells); the limit users asked for is what counts
         self.n_ctx = min(int(n_ctx), int(ll.llama_n_ctx(self.ptr)))
         self.n_batch = int(ll.llama_n_batch(self.ptr))
+        self.n_seq_max = int(ll.llama_n_seq_max(self.ptr))
         self.n_threads = threads
         self.mem = ll.llama_get_memory(self.ptr)
         self._batch = None
@@ -183,9 +190,6 @@ class Context:
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         _llama().llama_memory_seq_cp(self.mem, src, dst, p0, p1)
-
-    def seq_keep(self, seq: int) -> None:
-        _llama().llama_memory_seq_keep(self.mem, seq)
 
     def seq_pos_max(self, seq: int = 0) -> int:
         return int(_llama().llama_memory_seq_pos_max(self.mem, seq))

@@ -21,15 +21,11 @@ import json
 import math
 import os
 import platform
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape
-from .sampling import SamplingParams
 from .tree import ROOT, TreeBuilder
 
 PROFILE_VERSION = 1
@@ -142,65 +138,34 @@ def choose(prof: Profile, max_nodes: int = 24) -> tuple[TreeShape, float, list[t
     return rows[0][0], rows[0][3], rows
 
 
-def _time_pass(sm, rows: int, verify: bool, n_past: int, reps: int = 3) -> float:
-    """Median ms of one pass of ``rows`` tokens after an ``n_past``-token prefix (all logits)."""
-    ts = []
-    for _ in range(reps):
-        sm.ctx.seq_rm(0, n_past, -1)
-        with (sm.verifying() if verify else sm.drafting()) as ctx:
-            t0 = time.perf_counter()
-            ctx.decode([100 + i for i in range(rows)], range(n_past, n_past + rows), logits=True)
-            ts.append(time.perf_counter() - t0)
-    sm.ctx.seq_rm(0, n_past, -1)
-    return 1000 * float(np.median(ts))
-
-
-def measure(gen, log: Callable[[str], None] | None = None) -> Profile:
-    """Measure the cost curves and the acceptance profile of a Generator's model on this machine."""
+def measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Callable[[int], bool] | None = None,
+            log: Callable[[str], None] | None = None) -> Profile:
+    """Measure the cost curves and the acceptance profile of an engine's model on this machine
+    (through the engine's measurement API; its cache is cleared)."""
     say = log or (lambda s: None)
-    sm = gen.sm
-    res = sm.residual
-    eng: Engine = gen.engine
-    eng.reset()
-    prompt = sm.model.tokenize(CALIBRATION_PROMPTS[0] * 4)
-    with sm.verifying() as ctx:
-        ctx.decode(prompt, range(len(prompt)), logits=False)
-    n_past = len(prompt)
-    saved = res.kernel
+    engine.reset()
+    engine.prefill(tokenize(CALIBRATION_PROMPTS[0] * 4), Stats())
     verify_ms = {}
-    try:
-        for rows in VERIFY_BATCHES:
-            # each size with the kernel family a generation of that size uses
-            res.choose_decode_kernel(rows)
-            verify_ms[rows] = _time_pass(sm, rows, True, n_past)
-        res.choose_decode_kernel(2)
-        plain_ms = _time_pass(sm, 2, True, n_past)
-    finally:
-        res.set_kernel(saved)
-    draft_ms = {b: _time_pass(sm, b, False, n_past) for b in DRAFT_BATCHES}
+    for rows in VERIFY_BATCHES:
+        with engine.decode_kernel(rows):  # each size with the kernel family a generation of that size uses
+            verify_ms[rows] = engine.time_pass(rows, verify=True)
+    with engine.decode_kernel(2):
+        plain_ms = engine.time_pass(2, verify=True)
+    draft_ms = {b: engine.time_pass(b, verify=False) for b in DRAFT_BATCHES}
     say("measured pass times: verify " + ", ".join(f"{k}:{v:.0f}" for k, v in verify_ms.items())
         + " ms; draft " + ", ".join(f"{k}:{v:.0f}" for k, v in draft_ms.items()) + " ms")
-    eng.reset()
     # acceptance: a wide tree over the calibration prompts
-    calib = Engine(sm, TreeShape(12, 4, 3))
-    calib.rank_counts = [0] * (CANDIDATES_PER_NODE + 1)
-    res.choose_decode_kernel(13)
-    try:
-        for p in CALIBRATION_PROMPTS:
-            for _ in calib.generate(sm.model.tokenize(p), 40, SamplingParams(), is_stop=sm.model.is_eog, stats=Stats()):
-                pass
-    finally:
-        res.set_kernel(saved)
-        calib.reset()
-    counts = calib.rank_counts
+    counts = engine.rank_profile([tokenize(p) for p in CALIBRATION_PROMPTS], 40, TreeShape(12, 4, 3), is_stop)
     total = max(1, sum(counts))
     rank_probs = [c / total for c in counts[:CANDIDATES_PER_NODE]]
     say("acceptance by drafter rank: " + ", ".join(f"{100 * p:.0f}%" for p in rank_probs))
     return Profile(verify_ms, draft_ms, rank_probs, plain_ms)
 
 
-def load_or_measure(gen, fingerprint: str, threads: int, log: Callable[[str], None] | None = None,
+def load_or_measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Callable[[int], bool] | None,
+                    fingerprint: str, threads: int, log: Callable[[str], None] | None = None,
                     setup: str = "") -> Profile:
+    """The cached profile of this model, machine and setup, else :func:`measure` (and cache it)."""
     path = cache_path(fingerprint, threads, setup)
     if path.exists():
         try:
@@ -211,7 +176,7 @@ def load_or_measure(gen, fingerprint: str, threads: int, log: Callable[[str], No
             pass
     if log:
         log("--tree-nodes auto: measuring this machine and model once (cached in " + str(path.parent) + ")")
-    prof = measure(gen, log)
+    prof = measure(engine, tokenize, is_stop, log)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

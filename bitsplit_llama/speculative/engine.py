@@ -4,14 +4,16 @@ Vocabulary follows llama.cpp's speculative code: ``n_past`` tokens are in the KV
 written by the verifier), ``id_last`` is the last emitted token (not yet in the cache; the root of
 the next tree). One cycle:
 
-1. draft: with the residual off, the drafter decodes ``id_last`` and then, round by round, the best
-   candidates of a best-first tree (:class:`~bitsplit_llama.tree.TreeBuilder`), each node in its own
-   lane (sequence id) so that attention follows the tree. With the shared KV (default) the drafter
-   reads the verifier's cache for the prefix; nothing is copied.
+1. draft: the :class:`Drafter` decodes ``id_last`` and then, round by round, the best candidates of
+   a best-first tree (:class:`~bitsplit_llama.speculative.tree.TreeBuilder`), each node in its own
+   lane (sequence id) so that attention follows the tree. The default, :class:`SharedKVDrafter`, is
+   the verifier's own context with the residual off: it reads the verifier's cache for the prefix,
+   nothing is copied. :class:`SeparateKVDrafter` keeps a cache of its own (stock llama.cpp's
+   arrangement, for measurements).
 2. roll back: every drafted KV entry is removed (``seq_rm`` from ``n_past``), so the verifier never
    attends to the drafter's KV for positions it computes itself.
 3. verify: the best ``tree_nodes`` nodes plus the root go through the verifier in one decode.
-4. accept (:func:`~bitsplit_llama.tree.accept`): walk the tree with the verifier's draws; the
+4. accept (:func:`~bitsplit_llama.speculative.tree.accept`): walk the tree with the verifier's draws; the
    accepted path's KV (written by the verifier) is kept in sequence 0, the rest removed.
 
 Contract: each cycle emits at least one token, every one a draw from the verifier's distribution.
@@ -19,6 +21,7 @@ Contract: each cycle emits at least one token, every one a draw from the verifie
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -100,33 +103,113 @@ class Stats:
         }
 
 
-class Engine:
-    """Speculative decoding over a :class:`~bitsplit_llama.verifier.SplitModel`.
+class Drafter:
+    """Who drafts, and in which KV cache. The engine asks it for a context to draft in
+    (:meth:`drafting`), to decode the root of a tree (:meth:`decode_root`), and to keep its cache in
+    step with the verifier's (:meth:`reset`, :meth:`truncate`)."""
 
-    ``draft_ctx``: None (default) drafts in the verifier's own context and KV cache; a separate
-    :class:`Context` over the same base gives the stock-llama.cpp-style baseline whose drafter keeps
-    its own KV (for measurements).
+    ctx: Context
+
+    def drafting(self):
+        """Context manager: decodes inside are drafter passes; yields the context to decode in."""
+        raise NotImplementedError
+
+    def decode_root(self, engine: "Engine", id_last: int) -> int:
+        """Decode the tree's root ``id_last`` at position ``engine.n_past`` (inside :meth:`drafting`);
+        returns the batch row that holds its logits."""
+        raise NotImplementedError
+
+    def n_cached(self, engine: "Engine") -> int:
+        """Positions of sequence 0 in the drafter's cache (where its next pass starts)."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """The verifier's cache was cleared."""
+
+    def truncate(self, n: int) -> None:
+        """The verifier forgot positions from ``n`` on."""
+
+
+class SharedKVDrafter(Drafter):
+    """The base alone in the verifier's own context: the residual off, the same KV cache (the
+    prefix the verifier wrote is read, never copied)."""
+
+    def __init__(self, sm):
+        self.sm = sm
+        self.ctx = sm.ctx
+
+    def drafting(self):
+        return self.sm.drafting()
+
+    def decode_root(self, engine: "Engine", id_last: int) -> int:
+        self.ctx.decode([id_last], [engine.n_past])
+        return 0
+
+    def n_cached(self, engine: "Engine") -> int:
+        return engine.n_past
+
+
+class SeparateKVDrafter(Drafter):
+    """The base in a context of its own (over the same model), with its own KV cache, brought up to
+    date with the tokens the verifier accepted at the start of each draft: the stock-llama.cpp-style
+    baseline (measurements)."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.tokens: list[int] = []  # tokens in this context's KV, positions 0..len-1
+
+    def drafting(self):
+        return contextlib.nullcontext(self.ctx)
+
+    def decode_root(self, engine: "Engine", id_last: int) -> int:
+        pend = engine.tokens[len(self.tokens):] + [id_last]
+        start = len(self.tokens)
+        self.ctx.decode(pend, range(start, start + len(pend)), logits=[False] * (len(pend) - 1) + [True])
+        self.tokens.extend(pend[:-1])
+        return len(pend) - 1
+
+    def n_cached(self, engine: "Engine") -> int:
+        return len(self.tokens)
+
+    def reset(self) -> None:
+        self.ctx.clear()
+        self.tokens = []
+
+    def truncate(self, n: int) -> None:
+        if n < len(self.tokens):
+            self.ctx.seq_rm(0, n, -1)
+            del self.tokens[n:]
+
+
+class Engine:
+    """Speculative decoding over a :class:`~bitsplit_llama.runtime.verifier.SplitModel`.
+
+    ``drafter``: a :class:`Drafter`; by default :class:`SharedKVDrafter` (the verifier's own context
+    and KV cache). ``draft_ctx``, a separate :class:`Context` over the same base, is short for
+    ``drafter=SeparateKVDrafter(draft_ctx)``.
     """
 
-    def __init__(self, sm, shape: TreeShape | None = None, draft_ctx: Context | None = None):
+    def __init__(self, sm, shape: TreeShape | None = None, draft_ctx: Context | None = None,
+                 drafter: Drafter | None = None):
         self.sm = sm
         self.ctx: Context = sm.ctx
         self.shape = shape or TreeShape.for_nodes(16)
         self.shape.validate()
-        self.draft_ctx = draft_ctx
-        need = max_lanes(self.shape) + 3  # lanes, sequence 0, the junk and the dummy sequences
-        for c in (self.ctx, draft_ctx):
-            if c is not None and self.shape.nodes > 0 and _n_seq_max(c) < need:
+        if drafter is None:
+            drafter = SeparateKVDrafter(draft_ctx) if draft_ctx is not None else SharedKVDrafter(sm)
+        self.drafter = drafter
+        need = n_seq_max_for(self.shape)  # lanes, sequence 0, the junk and the dummy sequences
+        for c in {id(self.ctx): self.ctx, id(drafter.ctx): drafter.ctx}.values():
+            if self.shape.nodes > 0 and c.n_seq_max < need:
                 raise InvalidOptionError(
-                    f"the context was made with n_seq_max={_n_seq_max(c)}; a tree of {self.shape.nodes} nodes needs {need}")
+                    f"the context was made with n_seq_max={c.n_seq_max}; a tree of {self.shape.nodes} nodes needs {need}")
         self.n_past = 0
         self.tokens: list[int] = []     # tokens in the verifier's KV, positions 0..n_past-1
-        self._d_tokens: list[int] = []  # separate drafter: tokens in its KV
         # when a list, counts of the verifier's token rank among the drafter's candidates at each
         # verified node (index CANDIDATES_PER_NODE: not among them): the acceptance profile
         self.rank_counts: list[int] | None = None
-        self._junk_lane = _n_seq_max(self.ctx) - 1
-        self._dummy_lane = _n_seq_max(self.ctx) - 2
+        self._junk_lane = self.ctx.n_seq_max - 1
+        self._dummy_lane = self.ctx.n_seq_max - 2
         self.reset()  # the engine owns the KV state from here on
         self._n_junk = 0                # rejected rows parked in the junk sequence
 
@@ -141,9 +224,7 @@ class Engine:
         self._n_junk = 0
         self.n_past = 0
         self.tokens = []
-        if self.draft_ctx is not None:
-            self.draft_ctx.clear()
-            self._d_tokens = []
+        self.drafter.reset()
 
     def _truncate(self, n: int) -> None:
         """Forget KV from position n on (the caller's tokens beyond n are no longer cached)."""
@@ -151,9 +232,7 @@ class Engine:
             self.ctx.seq_rm(0, n, -1)
             self.n_past = n
             del self.tokens[n:]
-        if self.draft_ctx is not None and n < len(self._d_tokens):
-            self.draft_ctx.seq_rm(0, n, -1)
-            del self._d_tokens[n:]
+        self.drafter.truncate(n)
 
     # -- prompt -----------------------------------------------------------------------------------
     def prefill(self, prompt: Sequence[int], stats: Stats) -> np.ndarray:
@@ -189,29 +268,67 @@ class Engine:
         stats.prompt_seconds += time.perf_counter() - t0
         return logits
 
+    # -- measurement (what the auto tree's cost and acceptance profile are made of) -------------------
+    def time_pass(self, rows: int, *, verify: bool, reps: int = 3) -> float:
+        """Median milliseconds of one pass of ``rows`` tokens after the cached prefix (all logits),
+        through the verifier or through the drafter. The passes leave no KV behind."""
+        if verify:
+            role, start = self.sm.verifying, self.n_past
+        else:
+            role, start = self.drafter.drafting, self.drafter.n_cached(self)
+        ts = []
+        for _ in range(reps):
+            with role() as ctx:
+                ctx.seq_rm(0, start, -1)
+                t0 = time.perf_counter()
+                ctx.decode([100 + i for i in range(rows)], range(start, start + rows), logits=True)
+                ts.append(time.perf_counter() - t0)
+                ctx.seq_rm(0, start, -1)
+        return 1000 * float(np.median(ts))
+
+    @contextlib.contextmanager
+    def decode_kernel(self, batch: int):
+        """Context manager: the verifier's products use the kernel family that a generation whose
+        passes have ``batch`` rows uses; the family before is restored after."""
+        res = self.sm.residual
+        saved = res.kernel
+        res.choose_decode_kernel(batch)
+        try:
+            yield res.kernel
+        finally:
+            res.set_kernel(saved)
+
+    def rank_profile(self, prompts: Sequence[Sequence[int]], max_tokens: int, shape: TreeShape,
+                     is_stop: Callable[[int], bool] | None = None) -> list[int]:
+        """Greedy generations of ``prompts`` with trees of ``shape`` (an engine of its own over the same
+        model and drafter, with the kernel family of that shape). Returns how often the verifier's
+        token was the drafter's first, second, ... candidate at a verified node (last: none of them).
+        Clears this engine's cache."""
+        self.reset()
+        calib = Engine(self.sm, shape, drafter=self.drafter)
+        calib.rank_counts = [0] * (CANDIDATES_PER_NODE + 1)
+        with self.decode_kernel(shape.nodes + 1):
+            try:
+                for p in prompts:
+                    for _ in calib.generate(p, max_tokens, SamplingParams(), is_stop=is_stop, stats=Stats()):
+                        pass
+            finally:
+                calib.reset()
+        return calib.rank_counts
+
     # -- drafting ---------------------------------------------------------------------------------
     def _draft(self, id_last: int, sp: SamplingParams, nodes: int, stats: Stats) -> DraftTree:
         """A draft tree under ``id_last`` with up to ``nodes`` nodes; the draft KV is rolled back."""
         shape = self.shape
-        sep = self.draft_ctx is not None
-        ctx = self.draft_ctx if sep else self.ctx
         builder = TreeBuilder(id_last, shape.width, max(nodes, 0) + shape.width * 2)
         t0 = time.perf_counter()
         lane_of: dict[int, int] = {ROOT: 0}
         first_child_taken: set[int] = set()
         next_lane = 1
-        with (_null() if sep else self.sm.drafting()):
+        with self.drafter.drafting() as ctx:
             # the root (plus, for a separate drafter, the accepted tokens it has not seen yet)
             td = time.perf_counter()
-            if sep:
-                pend = self.tokens[len(self._d_tokens):] + [id_last]
-                start = len(self._d_tokens)
-                ctx.decode(pend, range(start, start + len(pend)), logits=[False] * (len(pend) - 1) + [True])
-                self._d_tokens.extend(pend[:-1])
-                row_of = {ROOT: len(pend) - 1}
-            else:
-                ctx.decode([id_last], [self.n_past])
-                row_of = {ROOT: 0}
+            row_of = {ROOT: self.drafter.decode_root(self, id_last)}
             stats.draft_decode_seconds += time.perf_counter() - td
             stats.n_draft_passes += 1
             frontier = [ROOT]
@@ -382,12 +499,6 @@ class Engine:
             stats.total_seconds += time.perf_counter() - t0
 
 
-def _n_seq_max(ctx: Context) -> int:
-    import llama_cpp
-
-    return int(llama_cpp.llama_n_seq_max(ctx.ptr))
-
-
 def max_lanes(shape: TreeShape) -> int:
     """Sequence ids a tree of this shape may use besides sequence 0 (drafting lanes, one per
     verification row)."""
@@ -397,11 +508,3 @@ def max_lanes(shape: TreeShape) -> int:
 def n_seq_max_for(shape: TreeShape) -> int:
     """n_seq_max a context needs for this shape: sequence 0, the lanes, the junk and dummy sequences."""
     return max_lanes(shape) + 3
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False

@@ -1,8 +1,9 @@
 """Text in, text out: a split model with its speculative engine, tokenization, stops and streaming.
 
-:class:`Generator` is what ``bitsplit run`` and :class:`~bitsplit_llama.llama.BitsplitLlama` use.
-Calls on one Generator are serialised (one KV cache); a second concurrent call gets
-:class:`~bitsplit_llama.errors.BusyError` instead of corrupting the first.
+:class:`Generator` is what ``bitsplit run``, ``bitsplit bench`` and
+:class:`~bitsplit_llama.api.llama.BitsplitLlama` use, all through :meth:`Generator.tokens`: the one
+path to the engine, under the one lock. Calls on one Generator are serialised (one KV cache); a
+second concurrent call gets :class:`~bitsplit_llama.errors.BusyError` instead of corrupting the first.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Result:
 
 
 DRAFTERS = ("auto", "native", "llama.cpp")
+BUSY = "this model is busy with another generation; calls are not interleaved"
 
 
 class Generator:
@@ -60,16 +62,15 @@ class Generator:
                              fast_drafter=None if drafter == "auto" else drafter == "native")
         self.auto_choice = None
         if auto:
-            from . import autotree
             from ..formats.gguf_file import GGUFFile
+            from ..native import build_key
+            from . import autotree
 
-            self.engine = Engine(self.sm, self.shape)
             with GGUFFile(self.sm.residual.residual_path, role="residual") as rg:
                 fp = str(rg.kv.get("bitsplit.base_fingerprint", ""))
-            from ..native import build_key
-
             setup = f"{build_key()[0]}|ngl={n_gpu_layers}|native_drafter={self.sm.fast_drafter}"
-            prof = autotree.load_or_measure(self, fp, self.sm.ctx.n_threads, log, setup)
+            prof = autotree.load_or_measure(Engine(self.sm, self.shape), self.tokenize, self.sm.model.is_eog, fp,
+                                            self.sm.ctx.n_threads, log, setup)
             self.shape, best_tps, table = autotree.choose(prof)
             fixed16 = next((r for r in table if (r[0].nodes, r[0].width, r[0].rounds) == (16, 4, 7)), None)
             self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
@@ -97,7 +98,36 @@ class Generator:
         return self.sm.ctx.n_ctx
 
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+        return self.sm.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def reset(self) -> None:
+        """Forget the cached prompt (the KV cache); refused while a generation runs."""
+        if not self._lock.acquire(blocking=False):
+            raise BusyError(BUSY)
+        try:
+            self.engine.reset()
+        finally:
+            self._lock.release()
+
+    def tokens(self, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
+               speculative: bool = True, stats: Stats | None = None) -> Iterator[list[int]]:
+        """The verifier's tokens after ``prompt``, a cycle at a time, until ``max_tokens``, an
+        end-of-generation token (yielded, nothing after it) or a full context. The model's lock is
+        held from the first step until the iterator ends or is closed; a concurrent call gets
+        BusyError. ``last_stats`` is this call's statistics from its first step on."""
+        sp = sampling or SamplingParams()
+        if not self._lock.acquire(blocking=False):
+            raise BusyError(BUSY)
+        try:
+            toks = list(prompt)
+            if not toks:
+                raise InvalidOptionError("the prompt is empty (no tokens)")
+            stats = stats if stats is not None else Stats()
+            self.last_stats = stats
+            yield from self.engine.generate(toks, max_tokens, sp, speculative=speculative,
+                                            is_stop=self.sm.model.is_eog, stats=stats)
+        finally:
+            self._lock.release()
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
                stop: Sequence[str] = (), speculative: bool = True, add_special: bool = True,
@@ -105,26 +135,21 @@ class Generator:
                on_finish: Callable[[Result], None] | None = None) -> Iterator[tuple[str, list[int]]]:
         """Yield (text piece, tokens) as the verifier accepts them. Stop strings end the text before
         them; the final Result goes to ``on_finish``."""
-        sp = sampling or SamplingParams()
         if isinstance(stop, str):
             stop = [stop]
         stop = [s for s in stop if s]
-        if not self._lock.acquire(blocking=False):
-            raise BusyError("this model is busy with another generation; calls are not interleaved")
+        toks = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_special, parse_special)
+        stats = stats if stats is not None else Stats()
+        chunks = self.tokens(toks, max_tokens=max_tokens, sampling=sampling, speculative=speculative, stats=stats)
         try:
-            toks = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_special, parse_special)
-            if not toks:
-                raise InvalidOptionError("the prompt is empty (no tokens)")
-            stats = stats if stats is not None else Stats()
             dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
             text = ""
             emitted_text = 0  # chars of `text` already yielded
             out_tokens: list[int] = []
             finish = "length"
             hold = max((len(s) for s in stop), default=0)
-            model = self.model
-            for chunk in self.engine.generate(toks, max_tokens, sp, speculative=speculative, is_stop=model.is_eog,
-                                              stats=stats):
+            model = self.sm.model
+            for chunk in chunks:
                 piece_tokens = []
                 for t in chunk:
                     if model.is_eog(t):
@@ -152,16 +177,16 @@ class Generator:
                     emitted_text = safe
                 if finish == "stop":
                     break
+            chunks.close()  # the engine's statistics are complete, and the model free, once it ends
             if finish != "stop":
                 text += dec.decode(b"", final=True)
                 if len(text) > emitted_text:
                     yield text[emitted_text:], []
-            self.last_stats = stats
             if on_finish is not None:
                 on_finish(Result(text=text, tokens=out_tokens, prompt_tokens=len(toks), finish_reason=finish,
                                  stats=stats))
         finally:
-            self._lock.release()
+            chunks.close()
 
     def generate(self, prompt: str | Sequence[int], **kw) -> Result:
         box: list[Result] = []

@@ -124,7 +124,7 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
     try:
         tokens = load_text_tokens(base_model, text)
         n_vocab = base_model.n_vocab
-        add_bos = bool(__import__("llama_cpp").llama_vocab_get_add_bos(base_model.vocab))
+        add_bos = base_model.add_bos
         bos = base_model.bos
     finally:
         base_model.close()
