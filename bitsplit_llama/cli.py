@@ -1,16 +1,18 @@
 """The ``bitsplit`` command line. It parses, calls the Python API and prints; no logic of its own.
 
-Errors: one line on stderr, exit 1; usage errors (bad option values, missing arguments) exit 2.
-With ``--json`` the last line on stdout is one JSON object.
+Errors: whatever a command meets ends as one line on stderr and a non-zero exit status (see
+:func:`main`, the one place that turns exceptions into messages): 1 for errors, 2 for usage errors
+(bad option values, missing arguments), 130 for Ctrl-C. ``BITSPLIT_DEBUG=1`` re-raises instead, with
+the traceback. With ``--json`` the last line on stdout is one JSON object.
 """
 
 from __future__ import annotations
 
-import functools
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Optional
 
 import click
 import typer
@@ -27,31 +29,19 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-F = TypeVar("F", bound=Callable)
-
 
 def _err(msg: str) -> None:
     print(f"bitsplit: error: {msg}", file=sys.stderr, flush=True)
 
 
-def handles_errors(fn: F) -> F:
-    """Turn the library's errors into one stderr line and exit status 1 (2 for option values)."""
+def _positive_threads(value: Optional[int]) -> Optional[int]:
+    if value is not None and value < 1:
+        raise InvalidOptionError(f"--threads: {value} is not a positive integer")
+    return value
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except InvalidOptionError as exc:
-            _err(str(exc))
-            raise typer.Exit(2) from None
-        except BitsplitError as exc:
-            _err(str(exc))
-            raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            _err("interrupted")
-            raise typer.Exit(130) from None
 
-    return wrapper  # type: ignore[return-value]
+#: the --threads option of every command that computes (validated once, here)
+THREADS = typer.Option(None, "--threads", "-t", help="Threads (default: all cores).", callback=_positive_threads)
 
 
 def _print_json(obj: dict) -> None:
@@ -68,13 +58,12 @@ def _types(d: dict[str, int]) -> str:
 
 # ---------------------------------------------------------------------------------------------
 @app.command()
-@handles_errors
 def split(
     src: Path = typer.Argument(..., help="Source GGUF (F32/F16/BF16/Q8_0/K-quants/Q4_x/Q5_x)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output directory for base.gguf and residual.gguf."),
     residual: str = typer.Option("q6_k", "--residual", help="Residual type: q6_k, q8_0 (or f16, f32)."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the Q2_K base (llama-imatrix output)."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Threads (default: all cores)."),
+    threads: Optional[int] = THREADS,
     force: bool = typer.Option(False, "--force", help="Replace base.gguf/residual.gguf already in the directory."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON line."),
@@ -83,8 +72,6 @@ def split(
     from .tools.progress import make_progress
     from .formats.split import install_sigterm_handler, split_model
 
-    if threads is not None and threads < 1:
-        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
     restore = install_sigterm_handler()
     try:
         rep = split_model(src, out, residual=residual, imatrix=imatrix, threads=threads, force=force,
@@ -104,7 +91,6 @@ def split(
 
 
 @app.command()
-@handles_errors
 def info(
     model_dir: Path = typer.Argument(..., help="A split model directory."),
     as_json: bool = typer.Option(False, "--json", help="Print as one JSON line."),
@@ -148,7 +134,6 @@ def _say(s: str) -> None:
 
 
 @app.command()
-@handles_errors
 def run(
     model_dir: Path = typer.Argument(..., help="A split model directory (from 'bitsplit split')."),
     prompt: str = typer.Option(..., "-p", "--prompt", help="The prompt text."),
@@ -162,7 +147,7 @@ def run(
                                    help="Draft tree size: 'auto' (best for this machine, measured once), or a number; 0 = verifier alone."),
     n_ctx: int = typer.Option(4096, "--n-ctx", help="Context size in tokens."),
     n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl", help="Base layers to offload to the GPU."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+    threads: Optional[int] = THREADS,
     no_spec: bool = typer.Option(False, "--no-spec", help="Decode with the verifier alone, one token per step."),
     precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
     drafter: str = typer.Option("auto", "--drafter",
@@ -179,8 +164,6 @@ def run(
         raise InvalidOptionError(f"--n-ctx: {n_ctx} is too small for --tree-nodes auto's calibration (at least 512)")
     if n_predict < 0:
         raise InvalidOptionError(f"-n: {n_predict} is negative")
-    if threads is not None and threads < 1:
-        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
     if n_gpu_layers < 0:
         raise InvalidOptionError(f"--n-gpu-layers: {n_gpu_layers} is negative")
     results = []
@@ -213,7 +196,6 @@ def run(
 
 
 @app.command()
-@handles_errors
 def serve(
     model_dir: Path = typer.Argument(..., help="A split model directory."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
@@ -222,7 +204,7 @@ def serve(
     n_ctx: int = typer.Option(4096, "--n-ctx"),
     tree_nodes: str = typer.Option("auto", "--tree-nodes"),
     n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl"),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+    threads: Optional[int] = THREADS,
 ) -> None:
     """Serve a split model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions)."""
     from .formats.modeldir import validate_split
@@ -230,8 +212,6 @@ def serve(
 
     if not 0 < port < 65536:
         raise InvalidOptionError(f"--port: {port} is not a TCP port (1..65535)")
-    if threads is not None and threads < 1:
-        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
     validate_split(model_dir)
     print(f"serving {model_dir} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
     run_server(str(model_dir), host=host, port=port, model_name=model_name, n_ctx=n_ctx,
@@ -239,7 +219,6 @@ def serve(
 
 
 @app.command()
-@handles_errors
 def chat(
     model_dir: Path = typer.Argument(..., help="A split model directory."),
     system: Optional[str] = typer.Option(None, "--system", help="A system prompt."),
@@ -248,7 +227,7 @@ def chat(
     n_ctx: int = typer.Option(4096, "--n-ctx"),
     tree_nodes: str = typer.Option("auto", "--tree-nodes"),
     n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl"),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+    threads: Optional[int] = THREADS,
     seed: Optional[int] = typer.Option(None, "--seed"),
 ) -> None:
     """Chat in the terminal with the model's own chat template, replies streamed. /reset clears, /exit quits."""
@@ -295,14 +274,13 @@ def chat(
 
 
 @app.command()
-@handles_errors
 def bench(
     model_dir: Path = typer.Argument(..., help="A split model directory."),
     vs: Path = typer.Option(..., "--vs", help="The stock GGUF to compare with (e.g. the model's Q8_0)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts, one per line or a JSON list (default: 12 built in)."),
     n_predict: int = typer.Option(128, "-n", "--n-predict"),
     temp: float = typer.Option(0.0, "--temp"),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+    threads: Optional[int] = THREADS,
     repeat: int = typer.Option(1, "--repeat"),
     tree_nodes: str = typer.Option("auto", "--tree-nodes"),
     kernel: Optional[str] = typer.Option(None, "--kernel", help="Native kernel family for decode passes (default: by tree size)."),
@@ -317,8 +295,6 @@ def bench(
     """Stock llama.cpp (--vs) against bitsplit on the same prompts, interleaved: tokens/s, ratio, time split."""
     from .tools.bench import check_plot_path, load_prompts, plot, run_bench
 
-    if threads is not None and threads < 1:
-        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
     if plot_path is not None:
         check_plot_path(plot_path)
     rep = run_bench(model_dir, vs, prompts=load_prompts(prompts), n_predict=n_predict, temp=temp, threads=threads,
@@ -355,7 +331,6 @@ def bench(
 
 
 @app.command()
-@handles_errors
 def plan(
     model: str = typer.Argument(..., help="A GGUF file (any type: its shapes define the model) or a preset name."),
     vram: float = typer.Option(..., "--vram", help="GPU memory in GB."),
@@ -386,7 +361,6 @@ def plan(
 
 
 @app.command("eval")
-@handles_errors
 def eval_(
     model_dir: Path = typer.Argument(..., help="A split model directory."),
     reference: Path = typer.Option(..., "--reference", help="The source GGUF (dequantized to F32 if quantized)."),
@@ -394,7 +368,7 @@ def eval_(
     vs: list[Path] = typer.Option([], "--vs", help="Other GGUFs of the same model to score alongside (repeatable)."),
     n_ctx: int = typer.Option(512, "--n-ctx", help="Tokens per chunk (each chunk is one batch)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Score at most this many chunks."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t"),
+    threads: Optional[int] = THREADS,
     precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as one JSON line."),
@@ -406,8 +380,6 @@ def eval_(
 
     if precision not in PRECISIONS:
         raise InvalidOptionError(f"--precision: '{precision}' unknown (expected one of: {', '.join(PRECISIONS)})")
-    if threads is not None and threads < 1:
-        raise InvalidOptionError(f"--threads: {threads} is not a positive integer")
     say = (lambda s: None) if quiet or as_json else (lambda s: print(s, file=sys.stderr, flush=True))
     rep = evaluate(model_dir, reference, text, vs=vs, n_ctx=n_ctx, max_chunks=chunks, threads=threads,
                    precision=precision, log=say, progress=make_progress(quiet or as_json))
@@ -428,18 +400,16 @@ def eval_(
 
 
 @app.command("build-native")
-@handles_errors
 def build_native(force: bool = typer.Option(False, "--force", help="Rebuild even if cached.")) -> None:
     """Build the native library now (it is otherwise built on first use) and print where it is."""
     from . import native
 
-    path = native.build(force=force, log=lambda s: print(s, file=sys.stderr, flush=True))
+    path = native.build.build(force=force, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(path)
     print(f"kernels: {native.kernel_name()}")
 
 
 @app.command()
-@handles_errors
 def fetch(
     name: str = typer.Argument("smollm2-135m", help="Model name (see --list)."),
     list_: bool = typer.Option(False, "--list", help="List the models that can be fetched."),
@@ -456,7 +426,6 @@ def fetch(
 
 
 @app.command()
-@handles_errors
 def demo(
     model: str = typer.Option("smollm2-135m", "--model", help="Known model to fetch (see 'bitsplit fetch --list')."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Where to put the split (default: in the cache)."),
@@ -514,11 +483,29 @@ _CLICK_ERR = _classes("ClickException")
 _ABORT = _classes("Abort", getattr(typer, "Abort", None))
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception as one readable line: ours carry their message; an OSError its file and reason;
+    anything else (llama-cpp-python's RuntimeError/ValueError, a bug) its type and message."""
+    if isinstance(exc, BitsplitError):
+        msg = str(exc)
+    elif isinstance(exc, OSError):
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        msg = f"{exc.filename}: {reason}" if exc.filename else reason
+    else:
+        text = str(exc)
+        msg = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return " ".join(msg.split()) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: usage errors become one line and exit status 2."""
+    """Console entry point and the one place where exceptions become messages and exit codes."""
+    debug = os.environ.get("BITSPLIT_DEBUG", "") not in ("", "0")
     try:
-        # without standalone mode, click returns the code of an Exit raised inside a command
-        rv = app(args=argv, prog_name="bitsplit", standalone_mode=False)
+        # the command is parsed and invoked here rather than through app()'s own main loop, which
+        # would turn some exceptions into exit codes silently (typer: Ctrl-C into a bare 130)
+        cmd = typer.main.get_command(app)
+        with cmd.make_context("bitsplit", list(sys.argv[1:] if argv is None else argv)) as ctx:
+            rv = cmd.invoke(ctx)
         return rv if isinstance(rv, int) else 0
     except _EXIT as exc:
         return exc.exit_code
@@ -533,8 +520,16 @@ def main(argv: list[str] | None = None) -> int:
         _err(exc.format_message().replace("\n", " "))
         return exc.exit_code
     except (KeyboardInterrupt, *_ABORT):
+        if debug:
+            raise
         _err("interrupted")
         return 130
+    except Exception as exc:
+        if debug:
+            raise
+        unexpected = not isinstance(exc, (BitsplitError, OSError))
+        _err(_one_line(exc) + (" (BITSPLIT_DEBUG=1 shows the traceback)" if unexpected else ""))
+        return 2 if isinstance(exc, InvalidOptionError) else 1
 
 
 def entry() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,81 @@ def test_console_script_one_line_errors(tmp_path):
                            str(tmp_path / "o")], capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.startswith("bitsplit: error: ") and "not found" in proc.stderr
     assert not Path(tmp_path / "o" / "base.gguf").exists()
+
+
+def _one_error_line(err: str) -> str:
+    """The one error line (llama.cpp's own log may precede it), and no traceback."""
+    lines = [l for l in err.strip().splitlines() if l.startswith("bitsplit: error: ")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_os_error_in_a_command_is_one_line(capsys, monkeypatch, tmp_path):
+    """An OSError a command meets (here: a full disk while describing a split) is one line, exit 1."""
+    import bitsplit_llama.formats.modeldir as modeldir
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(modeldir, "split_info", full)
+    monkeypatch.delenv("BITSPLIT_DEBUG", raising=False)
+    code, out, err = run_main(capsys, "info", str(tmp_path))
+    assert code == 1
+    assert "No space left on device" in _one_error_line(err)
+
+
+def test_llama_cpp_failure_in_run_is_one_line(capsys, monkeypatch, tiny_split):
+    """A RuntimeError from inside llama-cpp-python (standing in for a llama.cpp failure while
+    decoding) is one line naming it, exit 1."""
+    from bitsplit_llama.runtime.llamacpp import Context
+
+    def fail(self, *a, **k):
+        raise RuntimeError("llama_decode returned -3")
+
+    monkeypatch.setattr(Context, "decode", fail)
+    monkeypatch.delenv("BITSPLIT_DEBUG", raising=False)
+    code, out, err = run_main(capsys, "run", str(tiny_split), "-p", "the cat", "-n", "4", "--tree-nodes", "4",
+                               "--n-ctx", "256")
+    assert code == 1
+    line = _one_error_line(err)
+    assert "RuntimeError: llama_decode returned -3" in line and "BITSPLIT_DEBUG=1" in line
+
+
+def test_interrupt_is_one_line_and_130(capsys, monkeypatch, tmp_path):
+    import bitsplit_llama.formats.modeldir as modeldir
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(modeldir, "split_info", interrupted)
+    monkeypatch.delenv("BITSPLIT_DEBUG", raising=False)
+    code, out, err = run_main(capsys, "info", str(tmp_path))
+    assert code == 130 and "interrupted" in _one_error_line(err)
+
+
+def test_bitsplit_debug_shows_the_traceback(capsys, monkeypatch, tmp_path):
+    import bitsplit_llama.formats.modeldir as modeldir
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(modeldir, "split_info", full)
+    monkeypatch.setenv("BITSPLIT_DEBUG", "1")
+    with pytest.raises(OSError, match="No space left"):
+        main(["info", str(tmp_path)])
+    # and in a fresh process, as a user sees it: the traceback on stderr, a non-zero status
+    code = ("import sys, bitsplit_llama.formats.modeldir as m\n"
+            "def full(*a, **k):\n    raise OSError(28, 'No space left on device')\n"
+            "m.split_info = full\n"
+            "from bitsplit_llama.cli import entry\n"
+            f"sys.argv = ['bitsplit', 'info', {str(tmp_path)!r}]\n"
+            "entry()\n")
+    for debug, traceback in (("1", True), ("", False)):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, "BITSPLIT_DEBUG": debug})
+        assert proc.returncode == 1, proc.stderr
+        assert ("Traceback" in proc.stderr) == traceback and "No space left on device" in proc.stderr, proc.stderr
 
 
 def test_cli_bench_json_and_plot(capsys, tiny_split, tiny_f32, tmp_path):
