@@ -5,7 +5,7 @@ llama-cpp-python (:mod:`.build`), its declarations, generated from ``native/bits
 
 from __future__ import annotations
 
-from .build import build, build_key, load, source_dir, sources
+from .build import build_key, load, source_dir, sources
 
 
 def status_text(status: int) -> str:
@@ -25,4 +25,4 @@ def kernel_name() -> str:
     return ffi.string(lib.bitsplit_kernel_name()).decode()
 
 
-__all__ = ["build", "build_key", "load", "source_dir", "sources", "status_text", "callback_address", "kernel_name"]
+__all__ = ["build_key", "load", "source_dir", "sources", "status_text", "callback_address", "kernel_name"]
