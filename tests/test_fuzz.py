@@ -11,8 +11,8 @@ types and offsets.
   well-formed (a changed metadata string, damaged tensor data), which loads and must stay usable.
 
 Hypothesis is derandomized (same examples every run). The native loader is also fuzzed in C under
-ASan/UBSan: ``BITSPLIT_SANITIZE=1 pytest tests/test_fuzz.py -k sanitizers`` runs
-``native/tests/run_sanitizers.sh`` (about a minute or two).
+ASan/UBSan: ``test_native_sanitizers`` runs ``native/tests/run_sanitizers.sh`` on every run of the
+suite (about a minute or two; ``pytest tests/test_fuzz.py -k sanitizers`` alone).
 """
 
 from __future__ import annotations
