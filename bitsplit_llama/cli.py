@@ -353,11 +353,62 @@ def plan(
         if v is not None and v <= 0:
             raise InvalidOptionError(f"{name}: {v} must be positive")
     p = make_plan(str(model), vram_gb=vram, gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth, residual=residual,
-                  n_ctx=n_ctx, tokens_per_verify=tokens_per_verify, rounds=rounds, cores=cpu_cores)
+                  n_ctx=n_ctx, tokens_per_verify=tokens_per_verify, rounds=rounds, cores=cpu_cores, log=_say)
     if as_json:
         _print_json(p)
         return
     print(p["text"])
+
+
+@app.command()
+def doctor(
+    refresh: bool = typer.Option(False, "--refresh", help="Measure again instead of using the cached profile."),
+    quick: bool = typer.Option(False, "--quick", help="A small, fast measurement (its figures fit in caches: for tests)."),
+    threads: Optional[int] = THREADS,
+    as_json: bool = typer.Option(False, "--json", help="Print the profile as one JSON line."),
+) -> None:
+    """The machine as bitsplit sees it: CPU and ISA, kernel family per batch size, memory bandwidth, the residual
+    product's throughput per family and batch, stock ggml's on the same bytes, llama.cpp's devices (measured once
+    per machine and native build, then cached)."""
+    from .tools.machine import machine_profile
+
+    p = machine_profile(refresh=refresh, quick=quick, threads=threads, log=_say)
+    if as_json:
+        _print_json(p)
+        return
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    isa = " ".join(k for k, v in p["isa"].items() if v) or "none of " + " ".join(p["isa"])
+    by_batch: dict[str, list[str]] = {}
+    for b, fam in p["kernel_by_batch"].items():
+        by_batch.setdefault(fam, []).append(b)
+    print(f"CPU          {p['cpu']} ({p['arch']}), {p['threads']} threads, {_fmt_bytes(p['physical_memory_bytes'])} RAM")
+    print(f"ISA          {isa}")
+    print(f"families     {', '.join(p['families'])} (cap BITSPLIT_MAX_ISA={p['max_isa']}); drafter: "
+          f"{p['draft_kernel'] or 'ggml (no native drafting family)'}")
+    print("policy       " + "; ".join(f"batch {','.join(bs)}: {fam}" for fam, bs in by_batch.items()))
+    print(f"memory       {p['memory_bandwidth_gb_s']:.1f} GB/s (threaded numpy reduction)")
+    for d in p["devices"]:
+        mem = f", {_fmt_bytes(d['memory_total_bytes'])}" if d["memory_total_bytes"] else ""
+        print(f"device       {d['name']}: {d['description']} ({d['type']}{mem})")
+    s = p["synthetic"]
+    print(f"products     one pass over {s['tensors']} tensors of {s['ne0']}x{s['ne1']}: residual Q6_K "
+          f"{s['residual_bytes'] / 1e6:.0f} MB, base Q2_K {s['base_bytes'] / 1e6:.0f} MB ({p['size']} profile"
+          f"{', cached' if p['cached'] else ''})")
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
+    for col in ("product", "family", "batch", "ms/pass", "GB/s", "GB/s/core", "Gweights/s", "of mem BW"):
+        t.add_column(col, justify="left" if col in ("product", "family") else "right")
+    rows = ([("R.x", r) for r in p["residual"]] + [("(W2+R).x", r) for r in p["with_base"]]
+            + [("ggml Q6_K", r) for r in p["ggml_reference"]])
+    for what, r in rows:
+        fam = r["family"] + ("*" if r.get("policy") and what == "R.x" else "")
+        use = f"{100 * r['bandwidth_use']:.0f}%" if r["bandwidth_use"] is not None else "-"
+        t.add_row(what, fam, str(r["batch"]), f"{1000 * r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
+                  f"{r['gb_per_s_per_core']:.2f}", f"{r['weights_per_s'] / 1e9:.2f}", use)
+    Console().print(t)
+    print(f"* the policy's family for that batch. Profile: {p['path']}")
 
 
 @app.command("eval")

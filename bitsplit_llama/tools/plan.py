@@ -13,7 +13,7 @@ bitsplit, base on the GPU (as much as fits, the rest on the CPU), residual in sy
     tokens/s = a / (rounds * t_draft + t_verify)
 where B_* are bandwidths, e_ram the fraction of RAM bandwidth a streaming pass reaches (0.8, as
 stock Q8_0 reaches here), w_core the residual weights per second one core of this machine computes
-at the verification batch (measured with the native kernels), ``a`` the tokens per verification
+at the verification batch (the native kernels, from this machine's profile: :mod:`.machine`), ``a`` the tokens per verification
 and ``rounds`` the drafter passes per cycle (given, or 4 and 5 by default: about what a 16-node
 tree reaches on code with a small model here; the big model's own acceptance is not measured). The residual and the GPU halves run one after the other
 (the eval callback synchronises at every product).
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from pathlib import Path
 
 from ..errors import InputError, InvalidOptionError
@@ -74,73 +73,32 @@ def _shape_from(model: str) -> tuple[str, tuple[int, int, int, int, int, int], f
     return model, PRESETS[model], n_params
 
 
-def _residual_rate_per_core(batch: int) -> tuple[float, str]:
-    """Residual weights/s one core computes here at this batch (native kernels), measured on a
-    synthetic 4096x4096 Q6_K residual; falls back to a conservative constant."""
+def _machine(log=None) -> tuple[dict | None, str]:
+    """(this machine's profile, ""): :mod:`.machine`, measured once per machine and native build and
+    cached; (None, why) where it cannot be measured (no native library, no compiler)."""
     try:
-        import numpy as np
+        from .machine import machine_profile
 
-        from ..formats import _ggml
-        from ..formats.gguf_file import StreamingGGUFWriter
-        from ..native import load
+        return machine_profile(log=log), ""
+    except Exception as exc:  # the plan then says it assumed a rate, and why
+        return None, f"{type(exc).__name__}: {exc}"
 
-        ffi, lib = load()
-        import tempfile
 
-        with tempfile.TemporaryDirectory() as d:
-            K, N = 4096, 2048
-            rng = np.random.default_rng(0)
-            w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
-            base = Path(d) / "base.gguf"
-            res = Path(d) / "residual.gguf"
-            import gguf
+def _residual_rate_per_core(profile: dict | None, batch: int, why: str = "") -> tuple[float, str]:
+    """Residual weights/s one core computes here at this batch (native kernels, the policy's family),
+    from the machine profile; a conservative constant where there is none."""
+    if profile is None:
+        return 2.0e9, f"assumed 2e9 weights/s/core (could not measure: {why})"
+    from .machine import residual_rate_per_core
 
-            bw = gguf.GGUFWriter(str(base), "llama")
-            raw = _ggml.quantize_rows(w, 10)
-            bw.add_tensor("w", raw, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
-            bw.write_header_to_file()
-            bw.write_kv_data_to_file()
-            bw.write_tensors_to_file()
-            bw.close()
-            rw = StreamingGGUFWriter(res, "bitsplit-residual")
-            rw.kv.add_uint32("bitsplit.format_version", 1)
-            rw.add_tensor_info("w", (K, N), 14)
-            rw.begin_data()
-            rw.begin_tensor("w")
-            rw.write(_ggml.quantize_rows(w * 0.3, 14))
-            rw.end_tensor()
-            rw.finish()
-            rw.close()
-            out = ffi.new("bitsplit_ctx **")
-            err = ffi.new("char[]", 256)
-            if lib.bitsplit_ctx_load(str(res).encode(), str(base).encode(), out, err, 256) != 0:
-                raise RuntimeError(ffi.string(err).decode())
-            ctx = out[0]
-            try:
-                lib.bitsplit_ctx_set_threads(ctx, 1)
-                if batch > 4:
-                    lib.bitsplit_ctx_set_kernel(ctx, b"amx-bf16")
-                x = rng.standard_normal((batch, K)).astype(np.float32)
-                y = np.empty((batch, N), dtype=np.float32)
-                xp, yp = ffi.cast("float *", x.ctypes.data), ffi.cast("float *", y.ctypes.data)
-                lib.bitsplit_ctx_matmul(ctx, b"w", xp, batch, yp, False)
-                ts = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    lib.bitsplit_ctx_matmul(ctx, b"w", xp, batch, yp, False)
-                    ts.append(time.perf_counter() - t0)
-                kernel = ffi.string(lib.bitsplit_ctx_kernel(ctx)).decode()
-            finally:
-                lib.bitsplit_ctx_free(ctx)
-            return K * N / sorted(ts)[len(ts) // 2], f"measured here ({kernel}, 1 core, batch {batch})"
-    except Exception as exc:  # no native library: say so, use a constant
-        return 2.0e9, f"assumed 2e9 weights/s/core (could not measure: {exc})"
+    rate, src = residual_rate_per_core(profile, batch)
+    return rate, f"measured here: {src}"
 
 
 def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 1000.0, pcie: float = 25.0,
               ram_bw: float | None = None, residual: str = "q6_k", n_ctx: int = 8192,
               tokens_per_verify: float | None = None, rounds: int | None = None, cores: int | None = None,
-              verify_rows: int = 17) -> dict:
+              verify_rows: int = 17, log=None) -> dict:
     for name, v in (("--vram", vram_gb), ("--gpu-bandwidth", gpu_bw), ("--pcie", pcie)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise InvalidOptionError(f"{name}: {v} must be a positive number")
@@ -152,12 +110,16 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         raise InvalidOptionError(f"--n-ctx: {n_ctx} is not positive")
     name, (L, E, F, H, KV, V), n_params = _shape_from(str(model))
     cores = cores or os.cpu_count() or 1
+    profile, why = _machine(log)
     ram_src = "given"
     if ram_bw is None:
-        from .bench import memory_bandwidth
-        from ..runtime.llamacpp import default_threads
+        if profile is not None:
+            ram_bw = float(profile["memory_bandwidth_gb_s"])
+        else:
+            from .bench import memory_bandwidth
+            from ..runtime.llamacpp import default_threads
 
-        ram_bw = memory_bandwidth(default_threads()) / 1e9
+            ram_bw = memory_bandwidth(default_threads()) / 1e9
         ram_src = "measured here"
     GB = 1e9
     hd = E // max(1, H)
@@ -178,7 +140,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
     base_gpu = base * ngl_b / L
     base_cpu = base - base_gpu
     t_base = base_gpu / (gpu_bw * GB) + base_cpu / (ram_bw * GB * E_RAM)
-    w_core, w_src = _residual_rate_per_core(verify_rows)
+    w_core, w_src = _residual_rate_per_core(profile, verify_rows, why)
     t_res = max(res / (ram_bw * GB * E_RAM), n_params / (cores * w_core))
     hooks = L * 7 + 1
     act_bytes = sum((E + E) for _ in range(4)) + (E + F) * 2 + (F + E)  # q,k,v,o + gate,up + down, per row

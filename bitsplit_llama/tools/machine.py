@@ -1,0 +1,558 @@
+"""The machine as bitsplit sees it: one profile, measured once per machine and native build, cached.
+
+What it holds: the CPU model and the ISA flags that matter, threads, physical memory, the kernel
+families the native library runs here and which one its policy picks for each batch size (asked of
+the library: the thresholds live only in C), memory bandwidth (a threaded numpy reduction), the
+residual product's throughput per family at batch 1, 4, 16 and 64 on a synthetic split larger than
+the caches, stock ggml's own throughput on the same bytes, and the devices llama.cpp sees.
+
+``bitsplit doctor`` prints it; ``bitsplit plan`` takes its residual rate per core from it. The
+profile is cached as JSON under ``<cache>/machine/``, keyed by the CPU model and flags, the native
+build key, ``BITSPLIT_MAX_ISA``, ``BITSPLIT_KERNEL``, the thread count and the size (full or quick):
+anything that changes what would be measured gives another file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+PROFILE_VERSION = 1
+#: batch sizes measured for every family
+BATCHES = (1, 4, 16, 64)
+#: batch sizes the policy is asked about
+POLICY_BATCHES = (1, 2, 4, 5, 8, 16, 32, 64)
+#: batch sizes of the verifier pass (W2 + R) measured with the policy's family
+WITH_BASE_BATCHES = (1, 16)
+#: batch sizes of the stock ggml reference
+GGML_BATCHES = (1, 16)
+#: a family pinned with Residual.set_kernel serves passes up to this many columns (BS_DECODE_COLS in
+#: native/bs_internal.h); larger passes are measured on a context loaded with BITSPLIT_KERNEL set
+PIN_MAX_COLS = 32
+
+X86_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+             "amx_int8")
+ARM_FLAGS = ("asimd", "asimddp", "i8mm", "sve", "sve2", "bf16")
+
+Q2_K, Q6_K = 10, 14
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Size:
+    """The synthetic split measured: ``tensors`` Q6_K residuals (Q2_K base) of ``ne0`` x ``ne1``."""
+    name: str
+    tensors: int
+    ne0: int       # row width (the product's input size)
+    ne1: int       # rows
+    repeat: int    # timed passes per point (after one warm-up), fewer when a pass is slow
+    budget_s: float  # timed passes stop once they took this long (at least one)
+    bandwidth_gib: float
+
+    @property
+    def weights(self) -> int:
+        return self.tensors * self.ne0 * self.ne1
+
+
+#: about 83 MB of Q6_K residual (33 MB of Q2_K base): larger than the L3 of desktop CPUs
+FULL = Size("full", 3, 4096, 8192, 5, 1.5, 1.0)
+#: for tests: small, few repeats (fits in caches; its figures are not the machine's)
+QUICK = Size("quick", 2, 1024, 1024, 2, 0.2, 0.125)
+
+
+def _say(log: Optional[Log], msg: str) -> None:
+    if log is not None:
+        log(msg)
+
+
+# -- the CPU --------------------------------------------------------------------------------------
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    if out:
+                        break
+                    continue
+                k, _, v = line.partition(":")
+                out.setdefault(k.strip().lower(), v.strip())
+    except OSError:
+        pass
+    return out
+
+
+def cpu_info() -> dict:
+    """CPU model, architecture, all flags the OS reports, and the ones that matter here as name -> bool."""
+    info = _cpuinfo()
+    arch = platform.machine()
+    model = info.get("model name") or info.get("hardware") or info.get("cpu model") or ""
+    if not model and sys.platform == "darwin":
+        import subprocess
+
+        try:
+            model = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                   timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            model = ""
+    if not model and "cpu implementer" in info:
+        model = f"ARM implementer {info['cpu implementer']} part {info.get('cpu part', '?')}"
+    flags = (info.get("flags") or info.get("features") or "").split()
+    wanted = ARM_FLAGS if arch.lower() in ("aarch64", "arm64") else X86_FLAGS
+    have = set(flags)
+    return {"model": model or platform.processor() or arch, "arch": arch, "flags": flags,
+            "isa": {f: f in have for f in wanted}}
+
+
+def physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _threads(threads: Optional[int]) -> int:
+    from ..runtime.llamacpp import default_threads
+
+    return int(threads or default_threads())
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+def profile_key(threads: Optional[int] = None, quick: bool = False) -> tuple[str, dict]:
+    """(key, what it is made of): the profile is measured again when any part changes."""
+    from ..native.build import build_key
+
+    cpu = cpu_info()
+    parts = {
+        "version": PROFILE_VERSION,
+        "cpu": cpu["model"],
+        "arch": cpu["arch"],
+        "flags": hashlib.sha256(" ".join(sorted(cpu["flags"])).encode()).hexdigest()[:16],
+        "native_build": build_key()[0],
+        "max_isa": os.environ.get("BITSPLIT_MAX_ISA", ""),
+        "kernel": os.environ.get("BITSPLIT_KERNEL", ""),
+        "threads": _threads(threads),
+        "size": (QUICK if quick else FULL).name,
+    }
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+    return key, parts
+
+
+def _machine_dir() -> Path:
+    from ..cache import cache_dir
+
+    return cache_dir() / "machine"
+
+
+def profile_path(threads: Optional[int] = None, quick: bool = False) -> Path:
+    key, parts = profile_key(threads, quick)
+    return _machine_dir() / f"profile-{parts['size']}-{key}.json"
+
+
+def machine_profile(*, refresh: bool = False, quick: bool = False, threads: Optional[int] = None,
+                    log: Optional[Log] = None) -> dict:
+    """The profile of this machine and build: from the cache, or measured (and cached) when there is
+    none, when it is unreadable, or with ``refresh``. ``cached`` and ``path`` say which and where."""
+    threads = _threads(threads)
+    key, parts = profile_key(threads, quick)
+    path = _machine_dir() / f"profile-{parts['size']}-{key}.json"
+    if not refresh and path.exists():
+        try:
+            prof = json.loads(path.read_text())
+            if prof.get("key") == key and prof.get("version") == PROFILE_VERSION:
+                prof.update(cached=True, path=str(path))
+                return prof
+        except (OSError, ValueError):
+            pass
+        _say(log, f"machine profile {path} is unreadable or stale: measuring again")
+    prof = measure(threads=threads, quick=quick, log=log)
+    prof["key"] = key
+    prof["key_parts"] = parts
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(prof, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        _say(log, f"could not cache the machine profile in {path.parent}: {exc.strerror or exc}")
+    prof.update(cached=False, path=str(path))
+    return prof
+
+
+# -- the synthetic split --------------------------------------------------------------------------
+
+def synthetic_split(size: Size = FULL, log: Optional[Log] = None) -> Path:
+    """A split directory (base.gguf Q2_K, residual.gguf Q6_K) of ``size.tensors`` random weights of
+    ``size.ne0`` x ``size.ne1``, made once and cached. Quantized 1024 rows at a time and tiled:
+    the kernels' speed does not depend on the values, and the tiles make it cheap to build."""
+    from ..formats import _ggml
+    from ..formats.gguf_file import GGUFFile, StreamingGGUFWriter, fingerprint
+    from ..formats.split import BASE_NAME, FORMAT_VERSION, RESIDUAL_NAME
+
+    tag = f"synthetic-v{FORMAT_VERSION}-{size.tensors}x{size.ne0}x{size.ne1}"
+    out = _machine_dir() / tag
+    if (out / BASE_NAME).exists() and (out / RESIDUAL_NAME).exists():
+        return out
+    _say(log, f"building a synthetic split ({size.tensors} tensors of {size.ne0}x{size.ne1}, Q2_K + Q6_K) in {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{tag}.", dir=out.parent))
+    try:
+        rows = min(1024, size.ne1)
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal((rows, size.ne0), dtype=np.float32) * np.float32(0.02)
+        q2 = _ggml.quantize_rows(w, Q2_K)
+        q6 = _ggml.quantize_rows(w - _ggml.dequantize_rows(q2, Q2_K, size.ne0), Q6_K)
+        names = [f"blk.{i}.ffn_down.weight" for i in range(size.tensors)]
+
+        def write(path: Path, arch: str, ggml_type: int, block: np.ndarray, kv: Callable | None = None) -> None:
+            wr = StreamingGGUFWriter(path, arch)
+            if kv is not None:
+                kv(wr.kv)
+            for n in names:
+                wr.add_tensor_info(n, (size.ne0, size.ne1), ggml_type)
+            wr.begin_data()
+            for n in names:
+                wr.begin_tensor(n)
+                for s in range(0, size.ne1, rows):
+                    wr.write(block[: min(rows, size.ne1 - s)])
+                wr.end_tensor()
+            wr.finish()
+            wr.close()
+
+        base_p = tmp / BASE_NAME
+        write(base_p, "llama", Q2_K, q2)
+        with GGUFFile(base_p, role="base") as b:
+            base_fp = fingerprint(b)
+
+        def res_kv(kv) -> None:
+            kv.add_uint32("bitsplit.format_version", FORMAT_VERSION)
+            kv.add_string("bitsplit.residual_type", "q6_k")
+            kv.add_string("bitsplit.base_fingerprint", base_fp)
+            kv.add_string("bitsplit.source.architecture", "llama")
+            kv.add_string("bitsplit.source.file", "synthetic (bitsplit machine profile)")
+            kv.add_uint32("bitsplit.tensor_count", len(names))
+
+        write(tmp / RESIDUAL_NAME, "bitsplit-residual", Q6_K, q6, res_kv)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process made it meanwhile
+            if not (out / RESIDUAL_NAME).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# -- measurements ---------------------------------------------------------------------------------
+
+def _timed(one_pass: Callable[[], None], size: Size, warm_up: bool = True) -> tuple[float, int]:
+    """(median seconds of a pass, passes timed): one warm-up pass (unless the caller made one), then
+    up to ``size.repeat`` passes or ``size.budget_s`` seconds of them, at least one."""
+    if warm_up:
+        one_pass()
+    ts: list[float] = []
+    while len(ts) < size.repeat and (not ts or sum(ts) < size.budget_s):
+        t0 = time.perf_counter()
+        one_pass()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), len(ts)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _row(family: str, batch: int, seconds: float, nbytes: int, weights: int, threads: int, bandwidth: float,
+         **extra) -> dict:
+    gbs = nbytes / seconds / 1e9
+    return {"family": family, "batch": batch, "seconds": round(seconds, 6), "bytes": nbytes,
+            "gb_per_s": round(gbs, 3), "gb_per_s_per_core": round(gbs / threads, 3),
+            "weights_per_s": round(weights / seconds), "weights_per_s_per_core": round(weights / seconds / threads),
+            "bandwidth_use": round(gbs * 1e9 / bandwidth, 4) if bandwidth > 0 else None, **extra}
+
+
+def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, families: list[str],
+                     log: Optional[Log] = None) -> tuple[list[dict], list[dict]]:
+    """R . x per family and batch (``residual``), and (W2 + R) . x with the policy's family
+    (``with_base``), each a pass over every tensor of the split in turn (so that, the split being
+    larger than the caches, every pass reads the weights from memory)."""
+    from ..native import policy
+    from ..native.residual import Residual
+
+    rng = np.random.default_rng(1)
+    xs = {b: rng.standard_normal((b, size.ne0), dtype=np.float32) for b in set(BATCHES) | set(WITH_BASE_BATCHES)}
+    residual: list[dict] = []
+    with_base: list[dict] = []
+
+    def run(r: Residual, b: int, base: bool) -> tuple[float, int, int]:
+        names = [t[0] for t in r.tensors()]
+
+        def one_pass() -> None:
+            for n in names:
+                r.matmul(n, xs[b], with_base=base)
+
+        r.reset_counters()
+        one_pass()
+        c = r.counters()
+        nbytes = c.bytes_residual + (c.bytes_base if base else 0)
+        t, n = _timed(one_pass, size, warm_up=False)  # the counted pass was the warm-up
+        return t, nbytes, n
+
+    with Residual(split) as r:
+        r.set_threads(threads)
+        for fam in families:
+            for b in BATCHES:
+                policy_fam = policy.kernel_for_batch(b)
+                if b <= PIN_MAX_COLS:
+                    r.set_kernel(fam)
+                    t, nbytes, n = run(r, b, False)
+                    how = "set_kernel"
+                else:  # a pinned family serves 32 columns at most: pin it for every size instead
+                    with _env("BITSPLIT_KERNEL", fam):
+                        r64 = Residual(split)
+                    with r64:
+                        r64.set_threads(threads)
+                        t, nbytes, n = run(r64, b, False)
+                    how = "BITSPLIT_KERNEL"
+                row = _row(fam, b, t, nbytes, size.weights, threads, bandwidth, policy=fam == policy_fam,
+                           pinned_by=how, passes=n)
+                residual.append(row)
+                _say(log, f"  R.x       {fam:>12} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
+        for b in WITH_BASE_BATCHES:
+            r.set_kernel(None)
+            fam = r.choose_decode_kernel(b)
+            t, nbytes, n = run(r, b, True)
+            row = _row(fam, b, t, nbytes, size.weights, threads, bandwidth, policy=True, passes=n)
+            with_base.append(row)
+            _say(log, f"  (W2+R).x  {fam:>12} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
+    return residual, with_base
+
+
+def _loaded_lib(stem: str) -> Path:
+    """The file of llama-cpp-python's ``stem`` (libggml, libggml-cpu) mapped in this process."""
+    from ..formats._ggml import llama_cpp_lib_dir
+
+    lib_dir = llama_cpp_lib_dir()
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                p = line.rsplit(None, 1)[-1]
+                if os.path.basename(p).split(".so")[0] == stem and ".so" in p:
+                    return Path(p)
+    except OSError:
+        pass
+    for name in (f"{stem}.so.0", f"{stem}.so", f"{stem}.dylib"):
+        if (lib_dir / name).exists():
+            return lib_dir / name
+    raise FileNotFoundError(f"{stem} of llama-cpp-python not found in {lib_dir}")
+
+
+class _InitParams(ctypes.Structure):
+    # struct ggml_init_params { size_t mem_size; void * mem_buffer; bool no_alloc; };
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    from ..formats._ggml import loaded_ggml_base_path
+
+    base = ctypes.CDLL(str(loaded_ggml_base_path()))  # own handles: argtypes here do not touch _ggml's
+    cpu = ctypes.CDLL(str(_loaded_lib("libggml-cpu")))
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name, args, res in (
+        ("ggml_init", [_InitParams], vp), ("ggml_free", [vp], None),
+        ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp), ("ggml_mul_mat", [vp, vp, vp], vp),
+        ("ggml_new_graph", [vp], vp), ("ggml_build_forward_expand", [vp, vp], None),
+        ("ggml_get_data", [vp], vp), ("ggml_nbytes", [vp], ctypes.c_size_t),
+        ("ggml_tensor_overhead", [], ctypes.c_size_t), ("ggml_graph_overhead", [], ctypes.c_size_t),
+    ):
+        f = getattr(base, name)
+        f.argtypes, f.restype = args, res
+    cpu.ggml_cpu_init.argtypes, cpu.ggml_cpu_init.restype = [], None
+    # enum ggml_status ggml_graph_compute_with_ctx(struct ggml_context *, struct ggml_cgraph *, int n_threads)
+    cpu.ggml_graph_compute_with_ctx.argtypes, cpu.ggml_graph_compute_with_ctx.restype = [vp, vp, ctypes.c_int], ctypes.c_int
+    return base, cpu
+
+
+def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: Optional[Log] = None) -> list[dict]:
+    """Stock ggml's CPU kernels (ggml_mul_mat, ggml_graph_compute_with_ctx) on the residual's own
+    Q6_K bytes: one graph of one product per tensor, the same pass as :func:`measure_residual`'s."""
+    from ..formats.gguf_file import GGUFFile
+    from ..formats.split import RESIDUAL_NAME
+
+    base, cpu = _ggml_libs()
+    cpu.ggml_cpu_init()
+    with GGUFFile(split / RESIDUAL_NAME, role="residual") as g:
+        infos = list(g.tensors)
+        total = sum(t.nbytes for t in infos)
+        wctx = base.ggml_init(_InitParams(total + len(infos) * (base.ggml_tensor_overhead() + 4096) + 2**20, None, False))
+        if not wctx:
+            raise MemoryError("ggml_init failed for the weights")
+        try:
+            ws = []
+            for t in infos:
+                w = base.ggml_new_tensor_2d(wctx, t.ggml_type, t.shape[0], t.shape[1])
+                if base.ggml_nbytes(w) != t.nbytes:
+                    raise ValueError(f"ggml sizes '{t.name}' at {base.ggml_nbytes(w)} bytes, the file at {t.nbytes}")
+                raw = g.read_rows(t, 0, t.n_rows)
+                ctypes.memmove(base.ggml_get_data(w), raw.ctypes.data, t.nbytes)
+                del raw
+                ws.append(w)
+            rows = []
+            for b in GGML_BATCHES:
+                calls = size.repeat + 2
+                work = b * size.ne0 * 4 + 64 * 1024 * max(1, threads)  # x as Q8_K, and per-thread scratch
+                mem = (b * size.ne0 * 4 + len(ws) * b * size.ne1 * 4 + (len(ws) + 2) * base.ggml_tensor_overhead()
+                       + base.ggml_graph_overhead() + calls * (work + 4096) + 16 * 2**20)
+                cctx = base.ggml_init(_InitParams(mem, None, False))
+                if not cctx:
+                    raise MemoryError("ggml_init failed for the products")
+                try:
+                    x = base.ggml_new_tensor_2d(cctx, 0, size.ne0, b)  # GGML_TYPE_F32
+                    xv = np.random.default_rng(2).standard_normal((b, size.ne0), dtype=np.float32)
+                    ctypes.memmove(base.ggml_get_data(x), xv.ctypes.data, xv.nbytes)
+                    gf = base.ggml_new_graph(cctx)
+                    for w in ws:
+                        base.ggml_build_forward_expand(gf, base.ggml_mul_mat(cctx, w, x))
+
+                    def one_pass() -> None:
+                        st = cpu.ggml_graph_compute_with_ctx(cctx, gf, threads)
+                        if st != 0:
+                            raise RuntimeError(f"ggml_graph_compute_with_ctx returned status {st}")
+
+                    t, n = _timed(one_pass, size)
+                finally:
+                    base.ggml_free(cctx)
+                row = _row("ggml", b, t, total, size.weights, threads, bandwidth, type="q6_k", passes=n)
+                rows.append(row)
+                _say(log, f"  ggml Q6_K {'':>12} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
+            return rows
+        finally:
+            base.ggml_free(wctx)
+
+
+def devices() -> list[dict]:
+    """The devices llama.cpp's ggml backend registry lists (CPU, GPUs, accelerators)."""
+    lib = ctypes.CDLL(str(_loaded_lib("libggml")))
+    vp = ctypes.c_void_p
+    lib.ggml_backend_dev_count.argtypes, lib.ggml_backend_dev_count.restype = [], ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes, lib.ggml_backend_dev_get.restype = [ctypes.c_size_t], vp
+    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [vp], ctypes.c_char_p
+    lib.ggml_backend_dev_type.argtypes, lib.ggml_backend_dev_type.restype = [vp], ctypes.c_int
+    lib.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    lib.ggml_backend_dev_memory.restype = None
+    kinds = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        d = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
+        out.append({"name": (lib.ggml_backend_dev_name(d) or b"").decode(errors="replace"),
+                    "description": (lib.ggml_backend_dev_description(d) or b"").decode(errors="replace"),
+                    "type": kinds.get(lib.ggml_backend_dev_type(d), "other"), "memory_total_bytes": int(total.value)})
+    return out
+
+
+def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional[Log] = None) -> dict:
+    """Measure the profile now (no cache). See the module's docstring for what it holds."""
+    import llama_cpp  # noqa: F401  (loads libggml*: the one ggml of the process)
+
+    from ..native import policy
+    from ..native.build import build_key
+    from .bench import memory_bandwidth
+
+    cap = os.environ.get("BITSPLIT_MAX_ISA", "")
+    if cap and cap not in policy.ISA_LEVELS:  # refused before a minute of measuring, not after
+        from ..errors import InvalidOptionError
+
+        raise InvalidOptionError(f"BITSPLIT_MAX_ISA='{cap}': expected one of {', '.join(policy.ISA_LEVELS)}")
+    t_start = time.perf_counter()
+    size = QUICK if quick else FULL
+    threads = _threads(threads)
+    cpu = cpu_info()
+    fams = policy.families()
+    _say(log, f"machine profile ({size.name}): {cpu['model']}, {threads} threads, families {', '.join(fams)}")
+    _say(log, "  memory bandwidth ...")
+    bw = statistics.median(memory_bandwidth(threads, size.bandwidth_gib, 1) for _ in range(3))
+    _say(log, f"  memory bandwidth {bw / 1e9:.1f} GB/s")
+    split = synthetic_split(size, log)
+    residual, with_base = measure_residual(split, size, threads, bw, fams, log)
+    try:
+        ggml = measure_ggml(split, size, threads, bw, log)
+    except Exception as exc:  # the reference is a comparison, not what the profile is for
+        ggml = []
+        _say(log, f"  ggml reference not measured: {type(exc).__name__}: {exc}")
+    try:
+        devs = devices()
+    except Exception as exc:
+        devs = []
+        _say(log, f"  devices not listed: {type(exc).__name__}: {exc}")
+    res_bytes = residual[0]["bytes"] if residual else 0
+    base_bytes = (with_base[0]["bytes"] - res_bytes) if with_base and residual else 0
+    return {
+        "version": PROFILE_VERSION,
+        "size": size.name,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cpu": cpu["model"],
+        "arch": cpu["arch"],
+        "isa": cpu["isa"],
+        "threads": threads,
+        "physical_memory_bytes": physical_memory(),
+        "native_build": build_key()[0],
+        "families": fams,
+        "max_isa": policy.max_isa(),
+        "kernel_by_batch": {str(b): policy.kernel_for_batch(b) for b in POLICY_BATCHES},
+        "draft_kernel": policy.draft_kernel(),
+        "memory_bandwidth_gb_s": round(bw / 1e9, 3),
+        "synthetic": {"tensors": size.tensors, "ne0": size.ne0, "ne1": size.ne1, "residual_type": "q6_k",
+                      "base_type": "q2_k", "residual_bytes": res_bytes, "base_bytes": base_bytes},
+        "residual": residual,
+        "with_base": with_base,
+        "ggml_reference": ggml,
+        "devices": devs,
+        "seconds": round(time.perf_counter() - t_start, 2),
+    }
+
+
+def residual_rate_per_core(profile: dict, batch: int) -> tuple[float, str]:
+    """Residual weights/s one core computes at about ``batch`` columns with the family the policy
+    picks for that batch: the profile's largest measured batch not above ``batch`` (the smallest
+    if none). Returns (weights/s per core, where the figure comes from)."""
+    fam = profile["kernel_by_batch"].get(str(batch))
+    if fam is None:
+        from ..native import policy
+
+        fam = policy.kernel_for_batch(batch)
+    rows = [r for r in profile["residual"] if r["family"] == fam] or list(profile["residual"])
+    below = [r for r in rows if r["batch"] <= batch]
+    row = max(below, key=lambda r: r["batch"]) if below else min(rows, key=lambda r: r["batch"])
+    return (float(row["weights_per_s_per_core"]),
+            f"machine profile ({row['family']}, batch {row['batch']}, {profile['threads']} threads, "
+            f"{profile['size']} size{', cached' if profile.get('cached') else ''})")

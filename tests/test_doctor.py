@@ -1,0 +1,120 @@
+"""`bitsplit doctor`: the machine profile's keys and figures, its cache (reused, refreshed, keyed by
+the ISA cap), and `bitsplit plan` taking its residual rate from it. No wall-clock speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bitsplit_llama.cache import cache_dir
+from bitsplit_llama.cli import main
+from bitsplit_llama.native import policy
+
+KEYS = ("memory_bandwidth_gb_s", "kernel_by_batch", "residual", "cpu", "isa", "families", "max_isa", "draft_kernel",
+        "threads", "ggml_reference", "devices")
+ROW_KEYS = ("family", "batch", "gb_per_s", "gb_per_s_per_core", "bandwidth_use")
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    """A fresh bitsplit cache that shares the native builds of the real one (no recompilation)."""
+    real = cache_dir() / "native"
+    d = tmp_path / "cache"
+    d.mkdir()
+    if real.exists():
+        (d / "native").symlink_to(real, target_is_directory=True)
+    monkeypatch.setenv("BITSPLIT_CACHE", str(d))
+    return d
+
+
+def doctor(capsys, *args: str) -> tuple[dict, str]:
+    code = main(["doctor", "--json", "--quick", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def check_profile(p: dict) -> None:
+    for k in KEYS:
+        assert k in p, k
+    fams = policy.families()
+    assert p["families"] == fams and p["max_isa"] == policy.max_isa() and p["draft_kernel"] == policy.draft_kernel()
+    assert p["kernel_by_batch"] == {str(b): policy.kernel_for_batch(b) for b in (1, 2, 4, 5, 8, 16, 32, 64)}
+    assert p["threads"] >= 1 and positive(p["memory_bandwidth_gb_s"])
+    assert {(r["family"], r["batch"]) for r in p["residual"]} == {(f, b) for f in fams for b in (1, 4, 16, 64)}
+    for r in p["residual"] + p["with_base"] + p["ggml_reference"]:
+        for k in ROW_KEYS:
+            assert k in r, (k, r)
+        assert r["family"] in fams or r["family"] == "ggml"
+        for k in ("gb_per_s", "gb_per_s_per_core", "bandwidth_use", "weights_per_s", "seconds"):
+            assert positive(r[k]), (k, r)
+        assert r["gb_per_s_per_core"] == pytest.approx(r["gb_per_s"] / p["threads"], rel=0.01, abs=0.002)
+        assert r["bandwidth_use"] == pytest.approx(r["gb_per_s"] / p["memory_bandwidth_gb_s"], rel=0.02, abs=1e-3)
+    for r in p["residual"]:  # the policy's family is flagged as such
+        assert r["policy"] == (r["family"] == p["kernel_by_batch"][str(r["batch"])])
+    assert [r["family"] for r in p["with_base"]] == [p["kernel_by_batch"]["1"], p["kernel_by_batch"]["16"]]
+    assert {r["batch"] for r in p["ggml_reference"]} == {1, 16}  # llama-cpp-python's ggml is always there
+    assert any(d["type"] == "cpu" for d in p["devices"])
+
+
+def test_doctor_json_cached_refreshed_and_keyed_by_isa_cap(capsys, cache):
+    first, err = doctor(capsys)
+    check_profile(first)
+    assert first["cached"] is False and "machine profile (quick)" in err
+    assert os.path.dirname(first["path"]) == str(cache / "machine")
+
+    again, err = doctor(capsys)  # the cache: nothing measured, the same figures
+    assert again["cached"] is True and "machine profile" not in err
+    assert again["path"] == first["path"] and again["key"] == first["key"]
+    assert again["residual"] == first["residual"] and again["memory_bandwidth_gb_s"] == first["memory_bandwidth_gb_s"]
+
+    fresh, err = doctor(capsys, "--refresh")
+    check_profile(fresh)
+    assert fresh["cached"] is False and "machine profile (quick)" in err and fresh["path"] == first["path"]
+    stored = json.loads(open(fresh["path"]).read())
+    assert stored["residual"] == fresh["residual"]
+
+    # another cap is another profile: only the generic family, measured anew
+    env = dict(os.environ, BITSPLIT_MAX_ISA="generic", BITSPLIT_CACHE=str(cache))
+    r = subprocess.run([sys.executable, "-m", "bitsplit_llama.cli", "doctor", "--json", "--quick"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    g = json.loads(r.stdout.strip().splitlines()[-1])
+    assert g["cached"] is False and g["key"] != first["key"] and g["path"] != first["path"]
+    assert g["families"] == ["generic"] and g["max_isa"] == "generic"
+    assert {x["family"] for x in g["residual"]} == {"generic"}
+    assert set(g["kernel_by_batch"].values()) == {"generic"}
+    assert all(positive(x["gb_per_s"]) for x in g["residual"])
+
+
+def test_doctor_human_output(capsys, cache):
+    assert main(["doctor", "--quick"]) == 0
+    out, _ = capsys.readouterr()
+    for fam in policy.families():
+        assert fam in out
+    assert "memory" in out and "GB/s" in out and "ggml Q6_K" in out
+
+
+def test_plan_takes_its_residual_rate_from_the_machine_profile(capsys, cache, monkeypatch):
+    from bitsplit_llama.tools import machine
+    from bitsplit_llama.tools.plan import make_plan
+
+    prof, _ = doctor(capsys)
+    monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)  # the quick profile, not a full one
+    p = make_plan("qwen2.5-coder-1.5b", vram_gb=24)
+    fam = policy.kernel_for_batch(17)
+    row = next(r for r in prof["residual"] if r["family"] == fam and r["batch"] == 16)
+    b = p["bitsplit"]
+    assert b["residual_rate_per_core"] == row["weights_per_s_per_core"]
+    assert "machine profile" in b["residual_rate_source"] and fam in b["residual_rate_source"]
+    assert p["ram_bandwidth_gb_s"] == round(prof["memory_bandwidth_gb_s"], 1)
+    assert p["ram_bandwidth_source"] == "measured here" and p["projection"] is True
