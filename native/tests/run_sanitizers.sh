@@ -3,7 +3,7 @@
 # Sanitizer (+ LeakSanitizer where the environment allows it), make tiny split models with the
 # project's own code, and run the test program on each. Fails on any test failure or sanitizer report.
 #
-#   native/tests/run_sanitizers.sh            (from the repository root; or BITSPLIT_SANITIZE=1 pytest)
+#   native/tests/run_sanitizers.sh            (from the repository root; tests/test_fuzz.py runs it in every suite run)
 #
 # Environment: PYTHON (interpreter with bitsplit_llama and llama_cpp; default python3), CC (default
 # gcc), BITSPLIT_SANITIZE_FLIPS (random mutations per model, default 1500), BITSPLIT_SANITIZE_KEEP=1
