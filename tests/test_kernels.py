@@ -70,6 +70,33 @@ def test_family_against_reference_tiny(tiny_split, fam):
     _check_family(tiny_split, fam, ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight"))
 
 
+@pytest.fixture(scope="module")
+def type_splits(tmp_path_factory, tiny_f32):
+    """The tiny model split with other base types and both residual types, so that every weight
+    type a split can hold goes through every family: Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0 bases
+    (with the Q2_K mix of tiny_split, all eight), Q6_K and Q8_0 residuals."""
+    from bitsplit_llama.formats.split import split_model
+
+    out = {}
+    for base, res in (("q3_k_m", "q8_0"), ("q4_0", "q6_k"), ("q4_1", "q8_0"), ("q5_k_m", "q6_k"), ("q8_0", "q6_k")):
+        d = tmp_path_factory.mktemp(f"split-{base}-{res}")
+        split_model(tiny_f32, d, residual=res, base_ftype=base, threads=2)
+        out[(base, res)] = d
+    return out
+
+
+@pytest.mark.parametrize("fam", policy.ALL_FAMILIES)
+def test_family_against_reference_every_type(type_splits, fam):
+    _runs_here(fam)
+    seen = set()
+    for split in type_splits.values():
+        with GGUFFile(split / "base.gguf") as b:
+            seen |= {b.tensor(n).ggml_type for n in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight")}
+        _check_family(split, fam, ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight"), n_cols=(1, 2, 3, 16))
+    # the base types the f32 families decode themselves (the tiny split covers Q2_K)
+    assert {2, 3, 8, 11, 12, 13, 14} <= seen, sorted(seen)
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("fam", policy.ALL_FAMILIES)
 def test_family_against_reference_real(smollm2_split_q8, fam):

@@ -40,7 +40,8 @@ RESIDUAL_NAME = "residual.gguf"
 #: residual types offered to users, and the ggml type each one stores
 RESIDUAL_TYPES: dict[str, int] = {"q6_k": int(QT.Q6_K), "q8_0": int(QT.Q8_0), "f16": int(QT.F16), "f32": int(QT.F32)}
 #: llama_ftype of llama.cpp's mixes; q2_k is the product, q8_0/q6_k/... make comparison models
-FTYPES: dict[str, int] = {"q2_k": 10, "q3_k_m": 12, "q4_k_m": 15, "q6_k": 18, "q8_0": 7, "f16": 1, "f32": 0}
+FTYPES: dict[str, int] = {"q2_k": 10, "q3_k_m": 12, "q4_0": 2, "q4_1": 3, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18,
+                          "q8_0": 7, "f16": 1, "f32": 0}
 
 # Fallback chain when a row width is not a multiple of the residual type's block.
 _FALLBACK = {int(QT.Q6_K): int(QT.Q8_0), int(QT.Q8_0): int(QT.F16)}

@@ -30,6 +30,9 @@
 #define INL TGT static inline __attribute__((always_inline))
 #define KC 1024 /* values per chunk (a multiple of 256): 4 rows x 4 KB of f32, in L1 */
 #define RB 4    /* rows decoded together */
+/* row stride of the decoded buffer: not a multiple of 4 KiB, so that loads of one row do not
+ * falsely alias stores to another (4K aliasing) */
+#define WS (KC + 16)
 
 static int cpu_avx2 = -1;
 
@@ -58,6 +61,9 @@ static bool avx2_supports(const bs_job * job) {
     if (job->precision == BITSPLIT_PREC_F32) {
         return false; /* the exact f32 contract belongs to the generic family (tests compare bit for bit) */
     }
+    if (job->r != NULL && job->r_type != GGML_TYPE_Q6_K && job->r_type != GGML_TYPE_Q8_0) {
+        return false;
+    }
     return (job->r == NULL || type_ok(job->r_type, job->K)) && (job->w2 == NULL || type_ok(job->w2_type, job->K));
 }
 
@@ -73,8 +79,37 @@ static void avx2_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * unpackers: one block to f32, stored (add = false) or added to what is there (add = true)
+ * unpackers: a unit of weights (256 values, or 32 for the block-32 types when the row width is
+ * not a multiple of 256) is prepared once (scales), then read as groups of 32 values, four f32
+ * vectors each, W = D u + O per sub-block. Both halves of a group are decoded in registers and
+ * added before anything is stored.
  * ------------------------------------------------------------------------------------------- */
+
+enum { T_NONE, T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_Q8_0, T_Q4_0, T_Q4_1, T_COUNT };
+
+static int tcode(const uint8_t * data, enum ggml_type t) {
+    if (data == NULL) return T_NONE;
+    switch (t) {
+        case GGML_TYPE_Q2_K: return T_Q2_K;
+        case GGML_TYPE_Q3_K: return T_Q3_K;
+        case GGML_TYPE_Q4_K: return T_Q4_K;
+        case GGML_TYPE_Q5_K: return T_Q5_K;
+        case GGML_TYPE_Q6_K: return T_Q6_K;
+        case GGML_TYPE_Q8_0: return T_Q8_0;
+        case GGML_TYPE_Q4_0: return T_Q4_0;
+        case GGML_TYPE_Q4_1: return T_Q4_1;
+        default: return -1;
+    }
+}
+
+/* elements per block and bytes per block of each code */
+static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32};
+static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20};
+
+typedef struct {
+    const uint8_t * p;  /* the unit's first byte */
+    float D[16], O[16]; /* per sub-block scale and offset (superblock types) */
+} ustate;
 
 TGT static inline float h2f(const uint8_t * p) {
     uint16_t h;
@@ -82,33 +117,10 @@ TGT static inline float h2f(const uint8_t * p) {
     return _cvtsh_ss(h);
 }
 
-/* out[0..7] (+)= D * u + O for 8 unsigned byte codes */
-INL void put8(float * out, __m128i u8, __m256 D, __m256 O, bool add) {
-    const __m256 v = _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8)), O);
-    _mm256_storeu_ps(out, add ? _mm256_add_ps(_mm256_loadu_ps(out), v) : v);
-}
+INL __m256i srl8(__m256i v, int n) { return _mm256_srli_epi16(v, n); }
 
-/* 16 codes (one sub-block of 16) from the low 128 bits of a */
-INL void put16(float * out, __m128i a, __m256 D, __m256 O, bool add) {
-    put8(out, a, D, O, add);
-    put8(out + 8, _mm_srli_si128(a, 8), D, O, add);
-}
-
-/* 32 codes of one sub-block of 32 */
-INL void put32(float * out, __m256i a, __m256 D, __m256 O, bool add) {
-    put16(out, _mm256_castsi256_si128(a), D, O, add);
-    put16(out + 16, _mm256_extracti128_si256(a, 1), D, O, add);
-}
-
-/* 32 codes that are two sub-blocks of 16 with their own scales */
-INL void put2x16(float * out, __m256i a, const float * D, const float * O, bool add) {
-    put16(out, _mm256_castsi256_si128(a), _mm256_broadcast_ss(D), _mm256_broadcast_ss(O), add);
-    put16(out + 16, _mm256_extracti128_si256(a, 1), _mm256_broadcast_ss(D + 1), _mm256_broadcast_ss(O + 1), add);
-}
-
-/* D[j] = d * s[j], O[j] = z * D[j] for 16 sub-block scales (signed bytes), vectorised */
-INL void scales16(const int8_t * s, float d, float z, float * D, float * O) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)s);
+/* D[j] = d * s[j], O[j] = z * D[j] for 16 signed byte scales */
+INL void scales16(__m128i v, float d, float z, float * D, float * O) {
     const __m256 dd = _mm256_set1_ps(d), zz = _mm256_set1_ps(z);
     const __m256 a = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
     const __m256 b = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
@@ -116,61 +128,6 @@ INL void scales16(const int8_t * s, float d, float z, float * D, float * O) {
     _mm256_storeu_ps(D + 8, b);
     _mm256_storeu_ps(O, _mm256_mul_ps(zz, a));
     _mm256_storeu_ps(O + 8, _mm256_mul_ps(zz, b));
-}
-
-TGT static inline __m256i srl8(__m256i v, int n) { return _mm256_srli_epi16(v, n); }
-
-/* Q2_K (84 bytes): element 128n + 32j + l is bits 2j of qs[32n + l]; scale/min nibbles per 16 */
-INL void deq_q2_K(const uint8_t * b, float * out, bool add) {
-    const uint8_t * sc = b;
-    const uint8_t * qs = b + 16;
-    const float d = h2f(b + 80), dmin = h2f(b + 82);
-    const __m256i m3 = _mm256_set1_epi8(3);
-    /* scales (low nibbles) and mins (high nibbles), 16 each */
-    float D[16], O[16], M[16];
-    {
-        const __m128i v = _mm_loadu_si128((const __m128i *)sc), m4 = _mm_set1_epi8(0x0F);
-        int8_t lo[16], hi[16];
-        _mm_storeu_si128((__m128i *)lo, _mm_and_si128(v, m4));
-        _mm_storeu_si128((__m128i *)hi, _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-        scales16(lo, d, 0.0f, D, O);
-        scales16(hi, -dmin, 0.0f, M, O);
-    }
-    for (int n = 0; n < 2; n++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
-        for (int j = 0; j < 4; j++) {
-            const int s = 8 * n + 2 * j;
-            const __m256i u = _mm256_and_si256(srl8(q, 2 * j), m3);
-            put2x16(out + 128 * n + 32 * j, u, D + s, M + s, add);
-        }
-    }
-}
-
-/* Q3_K (110 bytes): u = 2 bits of qs + 4 * (bit of hmask), W = d (sc - 32) (u - 4) */
-INL void deq_q3_K(const uint8_t * b, float * out, bool add) {
-    int8_t sc[16];
-    bs_q3k_scales(b + 96, sc);
-    const float d = h2f(b + 108);
-    float D[16], O[16];
-    {
-        const __m128i v = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)sc), _mm_set1_epi8(32));
-        int8_t s32[16];
-        _mm_storeu_si128((__m128i *)s32, v);
-        scales16(s32, d, -4.0f, D, O);
-    }
-    const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
-    const uint8_t * qs = b + 32;
-    const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
-    for (int n = 0; n < 2; n++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
-        for (int j = 0; j < 4; j++) {
-            const int s = 8 * n + 2 * j;
-            const __m256i bit = _mm256_set1_epi8((char)(1u << (4 * n + j)));
-            const __m256i hset = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-            const __m256i u = _mm256_add_epi8(_mm256_and_si256(srl8(q, 2 * j), m3), _mm256_and_si256(hset, four));
-            put2x16(out + 128 * n + 32 * j, u, D + s, O + s, add);
-        }
-    }
 }
 
 static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * d, uint8_t * m) {
@@ -183,118 +140,206 @@ static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * d, uint8_t *
     }
 }
 
-/* Q4_K (144 bytes) / Q5_K (176): element 64z + l is the low nibble of qs[32z + l] (sub-block 2z),
- * 64z + 32 + l its high nibble (2z + 1); Q5_K adds 16 for bit 2z (2z + 1) of qh[l] */
-INL void deq_q45_K(const uint8_t * b, float * out, bool q5, bool add) {
-    const float d = h2f(b), dmin = h2f(b + 2);
-    const uint8_t * scales = b + 4;
-    const uint8_t * qs = b + (q5 ? 48 : 16);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
-    const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-    for (int z = 0; z < 4; z++) {
-        uint8_t s0, m0, s1, m1;
-        scale_min_k4(2 * z, scales, &s0, &m0);
-        scale_min_k4(2 * z + 1, scales, &s1, &m1);
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * z));
-        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(srl8(q, 4), m4);
-        if (q5) {
-            const __m256i b0 = _mm256_set1_epi8((char)(1u << (2 * z))), b1 = _mm256_set1_epi8((char)(2u << (2 * z)));
-            lo = _mm256_add_epi8(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
-            hi = _mm256_add_epi8(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
+INL void prep(int t, ustate * s, const uint8_t * b) {
+    s->p = b;
+    switch (t) {
+        case T_Q2_K: { /* scales: low nibbles x d; mins: high nibbles x -dmin */
+            const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F);
+            float unused[16];
+            scales16(_mm_and_si128(v, m4), h2f(b + 80), 0.0f, s->D, unused);
+            scales16(_mm_and_si128(_mm_srli_epi16(v, 4), m4), -h2f(b + 82), 0.0f, s->O, unused);
+            break;
         }
-        put32(out + 64 * z, lo, _mm256_set1_ps(d * (float)s0), _mm256_set1_ps(-dmin * (float)m0), add);
-        put32(out + 64 * z + 32, hi, _mm256_set1_ps(d * (float)s1), _mm256_set1_ps(-dmin * (float)m1), add);
-    }
-}
-
-/* Q6_K (210 bytes): ql[128], qh[64], scales[16] (int8), d; W = d sc (u - 32), sub-blocks of 16 */
-INL void deq_q6_K(const uint8_t * b, float * out, bool add) {
-    float D[16], O[16];
-    scales16((const int8_t *)(b + 192), h2f(b + 208), -32.0f, D, O);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
-    for (int n = 0; n < 2; n++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * n));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32));
-        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
-        const __m256i u[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4)),
-            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(srl8(h, 2), m3), 4)),
-            _mm256_or_si256(_mm256_and_si256(srl8(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(srl8(h, 4), m3), 4)),
-            _mm256_or_si256(_mm256_and_si256(srl8(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(srl8(h, 6), m3), 4)),
-        };
-        for (int m = 0; m < 4; m++) {
-            const int s = 8 * n + 2 * m;
-            put2x16(out + 128 * n + 32 * m, u[m], D + s, O + s, add);
+        case T_Q3_K: {
+            int8_t sc[16];
+            bs_q3k_scales(b + 96, sc);
+            scales16(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)sc), _mm_set1_epi8(32)), h2f(b + 108), -4.0f,
+                     s->D, s->O);
+            break;
         }
-    }
-}
-
-/* Q8_0 (34 bytes per 32): W = d q */
-INL void deq_q8_0(const uint8_t * b, float * out, bool add) {
-    const __m256 D = _mm256_set1_ps(h2f(b));
-    for (int i = 0; i < 32; i += 8) {
-        const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + i));
-        const __m256 v = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-        _mm256_storeu_ps(out + i, add ? _mm256_add_ps(_mm256_loadu_ps(out + i), v) : v);
-    }
-}
-
-/* Q4_0 (18 bytes per 32): W = d (q - 8); Q4_1 (20 bytes): W = d q + m; low nibbles first */
-INL void deq_q4_01(const uint8_t * b, float * out, bool q41, bool add) {
-    const float d = h2f(b);
-    const __m256 D = _mm256_set1_ps(d), O = _mm256_set1_ps(q41 ? h2f(b + 2) : -8.0f * d);
-    const __m128i q = _mm_loadu_si128((const __m128i *)(b + (q41 ? 4 : 2)));
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    put16(out, _mm_and_si128(q, m4), D, O, add);
-    put16(out + 16, _mm_and_si128(_mm_srli_epi16(q, 4), m4), D, O, add);
-}
-
-/* values [k0, k0 + n) of a row (k0 and n multiples of the type's block) to f32 */
-INL void deq_range_any(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n, float * out, bool add) {
-    switch (type) {
-        case GGML_TYPE_Q2_K:
-            for (int64_t i = 0; i < n; i += 256) deq_q2_K(row + (size_t)((k0 + i) / 256) * 84, out + i, add);
+        case T_Q4_K:
+        case T_Q5_K: { /* 8 sub-blocks of 32 */
+            const float d = h2f(b), dmin = h2f(b + 2);
+            for (int j = 0; j < 8; j++) {
+                uint8_t sc, m;
+                scale_min_k4(j, b + 4, &sc, &m);
+                s->D[j] = d * (float)sc;
+                s->O[j] = -dmin * (float)m;
+            }
             break;
-        case GGML_TYPE_Q3_K:
-            for (int64_t i = 0; i < n; i += 256) deq_q3_K(row + (size_t)((k0 + i) / 256) * 110, out + i, add);
-            break;
-        case GGML_TYPE_Q4_K:
-            for (int64_t i = 0; i < n; i += 256) deq_q45_K(row + (size_t)((k0 + i) / 256) * 144, out + i, false, add);
-            break;
-        case GGML_TYPE_Q5_K:
-            for (int64_t i = 0; i < n; i += 256) deq_q45_K(row + (size_t)((k0 + i) / 256) * 176, out + i, true, add);
-            break;
-        case GGML_TYPE_Q6_K:
-            for (int64_t i = 0; i < n; i += 256) deq_q6_K(row + (size_t)((k0 + i) / 256) * 210, out + i, add);
-            break;
-        case GGML_TYPE_Q8_0:
-            for (int64_t i = 0; i < n; i += 32) deq_q8_0(row + (size_t)((k0 + i) / 32) * 34, out + i, add);
-            break;
-        case GGML_TYPE_Q4_0:
-            for (int64_t i = 0; i < n; i += 32) deq_q4_01(row + (size_t)((k0 + i) / 32) * 18, out + i, false, add);
-            break;
-        case GGML_TYPE_Q4_1:
-            for (int64_t i = 0; i < n; i += 32) deq_q4_01(row + (size_t)((k0 + i) / 32) * 20, out + i, true, add);
+        }
+        case T_Q6_K:
+            scales16(_mm_loadu_si128((const __m128i *)(b + 192)), h2f(b + 208), -32.0f, s->D, s->O);
             break;
         default:
-            break; /* avx2_supports admitted only the types above */
+            break; /* block-32 types read their scale per group */
     }
 }
 
-TGT static void deq_store(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n, float * out) {
-    deq_range_any(type, row, k0, n, out, false);
+/* four vectors from 32 byte codes: two sub-blocks of 16 (D, O indexed j, j + 1) */
+INL void four16(__m256i u, const float * D, const float * O, int j, __m256 v[4]) {
+    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    const __m256 D0 = _mm256_broadcast_ss(D + j), O0 = _mm256_broadcast_ss(O + j);
+    const __m256 D1 = _mm256_broadcast_ss(D + j + 1), O1 = _mm256_broadcast_ss(O + j + 1);
+    v[0] = _mm256_fmadd_ps(D0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), O0);
+    v[1] = _mm256_fmadd_ps(D0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), O0);
+    v[2] = _mm256_fmadd_ps(D1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), O1);
+    v[3] = _mm256_fmadd_ps(D1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), O1);
 }
 
-TGT static void deq_add(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n, float * out) {
-    deq_range_any(type, row, k0, n, out, true);
+/* four vectors from 32 byte codes sharing one scale */
+INL void four32(__m256i u, __m256 D, __m256 O, __m256 v[4]) {
+    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    v[0] = _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), O);
+    v[1] = _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), O);
+    v[2] = _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), O);
+    v[3] = _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), O);
 }
+
+/* group g (values 32g .. 32g + 31 of the unit) */
+INL void grp(int t, const ustate * s, int g, __m256 v[4]) {
+    const uint8_t * b = s->p;
+    switch (t) {
+        case T_Q2_K: { /* value 128n + 32j + l: bits 2j of qs[32n + l] */
+            const int n = g >> 2, j = g & 3;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * n));
+            four16(_mm256_and_si256(srl8(q, 2 * j), _mm256_set1_epi8(3)), s->D, s->O, 8 * n + 2 * j, v);
+            break;
+        }
+        case T_Q3_K: { /* + 4 where the hmask bit (4n + j) is set */
+            const int n = g >> 2, j = g & 3;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * n));
+            const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+            const __m256i bit = _mm256_set1_epi8((char)(1u << (4 * n + j)));
+            const __m256i hset = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+            const __m256i u = _mm256_add_epi8(_mm256_and_si256(srl8(q, 2 * j), _mm256_set1_epi8(3)),
+                                              _mm256_and_si256(hset, _mm256_set1_epi8(4)));
+            four16(u, s->D, s->O, 8 * n + 2 * j, v);
+            break;
+        }
+        case T_Q4_K:
+        case T_Q5_K: { /* value 64z + l: low nibble of qs[32z + l]; 64z + 32 + l: high nibble */
+            const bool q5 = t == T_Q5_K;
+            const int z = g >> 1, hi = g & 1;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (q5 ? 48 : 16) + 32 * z));
+            __m256i u = _mm256_and_si256(hi ? srl8(q, 4) : q, _mm256_set1_epi8(0x0F));
+            if (q5) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+                const __m256i bit = _mm256_set1_epi8((char)(1u << g));
+                u = _mm256_add_epi8(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
+                                                        _mm256_set1_epi8(16)));
+            }
+            four32(u, _mm256_broadcast_ss(s->D + g), _mm256_broadcast_ss(s->O + g), v);
+            break;
+        }
+        case T_Q6_K: { /* value 128n + 32m + l: nibble of ql[64n + 32(m&1) + l], 2 bits of qh[32n + l] */
+            const int n = g >> 2, m = g & 3;
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (m & 1)));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+            const __m256i lo = _mm256_and_si256(m >= 2 ? srl8(l, 4) : l, _mm256_set1_epi8(0x0F));
+            const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(srl8(h, 2 * m), _mm256_set1_epi8(3)), 4);
+            four16(_mm256_or_si256(lo, hb), s->D, s->O, 8 * n + 2 * m, v);
+            break;
+        }
+        case T_Q8_0: { /* W = d q */
+            const uint8_t * blk = b + 34 * g;
+            const __m256 D = _mm256_set1_ps(h2f(blk));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            v[0] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+            v[1] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+            v[2] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+            v[3] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+            break;
+        }
+        case T_Q4_0:
+        case T_Q4_1: { /* Q4_0: W = d (q - 8); Q4_1: W = d q + m; low nibbles are values 0..15 */
+            const bool q41 = t == T_Q4_1;
+            const uint8_t * blk = b + (q41 ? 20 : 18) * g;
+            const float d = h2f(blk);
+            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (q41 ? 4 : 2)));
+            const __m128i m4 = _mm_set1_epi8(0x0F);
+            const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+            four32(u, _mm256_set1_ps(d), _mm256_set1_ps(q41 ? h2f(blk + 2) : -8.0f * d), v);
+            break;
+        }
+        default:
+            break;
+    }
+}
+
+/* the combined weights W2 + R of one group of one row */
+INL void wgroup(int bt, int rt, const ustate * sb, const ustate * sr, int g, __m256 w[4]) {
+    if (bt != T_NONE && rt != T_NONE) {
+        __m256 a[4], c[4];
+        grp(bt, sb, g, a);
+        grp(rt, sr, g, c);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(a[i], c[i]);
+    } else if (bt != T_NONE) {
+        grp(bt, sb, g, w);
+    } else {
+        grp(rt, sr, g, w);
+    }
+}
+
+INL size_t toff(int t, int64_t k) { return (size_t)(k / T_BLCK[t]) * (size_t)T_SIZE[t]; }
 
 /* ---------------------------------------------------------------------------------------------
- * products
+ * products. The arithmetic of every (row, column): W2 + R per 8 values as above, then
+ * acc = fma(w, x, acc) over k in order, one 8-lane accumulator, reduced in a fixed order at the
+ * end. Batches of 1 compute it straight from the decoded registers; larger batches store a chunk
+ * of decoded rows and apply it to every column (the same operations, so the same results).
  * ------------------------------------------------------------------------------------------- */
 
-/* acc[r][c] += W[r][0..n) * x[c][0..n) for NR rows (stride KC in w) and NC columns: always the
- * same operations per (r, c), so grouping never changes a result */
+/* decode rows [r, r + nr) x values [k0, k0 + n) into w (row stride WS) */
+INL void decode_rows(const bs_job * job, int bt, int rt, int unit, int64_t r, int nr, int64_t k0, int64_t n, float * w) {
+    for (int i = 0; i < nr; i++) {
+        const uint8_t * brow = bt != T_NONE ? job->w2 + (size_t)(r + i) * job->w2_row_bytes : NULL;
+        const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)(r + i) * job->r_row_bytes : NULL;
+        float * out = w + (size_t)i * WS;
+        for (int64_t k = 0; k < n; k += unit) {
+            ustate sb, sr;
+            if (bt != T_NONE) prep(bt, &sb, brow + toff(bt, k0 + k));
+            if (rt != T_NONE) prep(rt, &sr, rrow + toff(rt, k0 + k));
+            /* unrolled: the group index makes every shift and offset a constant */
+            _Pragma("GCC unroll 8") for (int g = 0; g < unit / 32; g++) {
+                __m256 v[4];
+                wgroup(bt, rt, &sb, &sr, g, v);
+                for (int q = 0; q < 4; q++) _mm256_store_ps(out + k + 32 * g + 8 * q, v[q]);
+            }
+        }
+    }
+}
+
+/* one column: acc[i] += W[r + i] . x over [k0, k0 + n), rows interleaved (independent chains) */
+INL void dot_rows(const bs_job * job, int bt, int rt, int unit, int64_t r, int nr, int64_t k0, int64_t n,
+                  const float * x, __m256 * acc) {
+    const uint8_t * brow[RB] = {0}, * rrow[RB] = {0};
+    __m256 a[RB];
+    for (int i = 0; i < nr; i++) {
+        if (bt != T_NONE) brow[i] = job->w2 + (size_t)(r + i) * job->w2_row_bytes;
+        if (rt != T_NONE) rrow[i] = job->r + (size_t)(r + i) * job->r_row_bytes;
+        a[i] = acc[i];
+    }
+    for (int64_t k = 0; k < n; k += unit) {
+        ustate sb[RB], sr[RB];
+        for (int i = 0; i < nr; i++) {
+            if (bt != T_NONE) prep(bt, &sb[i], brow[i] + toff(bt, k0 + k));
+            if (rt != T_NONE) prep(rt, &sr[i], rrow[i] + toff(rt, k0 + k));
+        }
+        _Pragma("GCC unroll 8") for (int g = 0; g < unit / 32; g++) {
+            const float * xg = x + k + 32 * g;
+            for (int i = 0; i < nr; i++) {
+                __m256 v[4];
+                wgroup(bt, rt, &sb[i], &sr[i], g, v);
+                for (int q = 0; q < 4; q++) a[i] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(xg + 8 * q), a[i]);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) acc[i] = a[i];
+}
+
+/* acc[r][c] += W[r][0..n) * x[c][0..n) for NR rows (stride WS in w) and NC columns */
 #define MICRO(NR, NC)                                                                              \
     TGT static inline void micro_##NR##_##NC(const float * w, const float * const * xc, int64_t n, \
                                              __m256 * acc, int64_t acc_stride) {                   \
@@ -304,7 +349,7 @@ TGT static void deq_add(enum ggml_type type, const uint8_t * row, int64_t k0, in
         for (int64_t k = 0; k < n; k += 8) {                                                       \
             __m256 wv[NR];                                                                         \
             for (int r = 0; r < NR; r++) {                                                         \
-                wv[r] = _mm256_load_ps(w + r * KC + k);                                            \
+                wv[r] = _mm256_load_ps(w + r * WS + k);                                            \
                 /* keep it in a register: folded into each FMA it would be loaded once per column */ \
                 __asm__("" : "+x"(wv[r]));                                                         \
             }                                                                                      \
@@ -327,24 +372,16 @@ TGT static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-/* bytes of values [k0, k0 + n) of a row of this type (k0, n multiples of its block) */
-static inline size_t span(enum ggml_type type, int64_t k0, int64_t n, size_t * off) {
-    const size_t bs = (size_t)ggml_blck_size(type), ts = ggml_type_size(type);
-    *off = (size_t)k0 / bs * ts;
-    return (size_t)n / bs * ts;
-}
-
 /* Ask for the next chunk's weights while this one is computed: the rows are read a chunk at a
  * time, several rows side by side, a pattern the hardware prefetchers follow too late (measured:
  * most of the time stalled on the first touch of each block without it). */
-TGT static void prefetch_chunk(const bs_job * job, int64_t r, int nr, int64_t k0, int64_t n) {
+INL void prefetch_chunk(const bs_job * job, int bt, int rt, int64_t r, int nr, int64_t k0, int64_t n) {
     for (int h = 0; h < 2; h++) {
+        const int t = h == 0 ? bt : rt;
+        if (t == T_NONE) continue;
         const uint8_t * base = h == 0 ? job->w2 : job->r;
-        if (base == NULL) continue;
-        const enum ggml_type type = h == 0 ? job->w2_type : job->r_type;
         const size_t rb = h == 0 ? job->w2_row_bytes : job->r_row_bytes;
-        size_t off;
-        const size_t len = span(type, k0, n, &off);
+        const size_t off = toff(t, k0), len = toff(t, n);
         for (int i = 0; i < nr; i++) {
             const uint8_t * p = base + (size_t)(r + i) * rb + off;
             for (size_t o = 0; o < len; o += 64) {
@@ -354,10 +391,15 @@ TGT static void prefetch_chunk(const bs_job * job, int64_t r, int nr, int64_t k0
     }
 }
 
-TGT static void avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
+INL void rows_body(const bs_job * job, int bt, int rt, int64_t r0, int64_t r1, bs_scratch * scratch) {
     const int64_t K = job->K, nc = job->n_cols;
+    if (nc < 1) {
+        return;
+    }
+    /* units of 256 values where a superblock type is involved (then K % 256 == 0), else of 32 */
+    const int unit = (T_BLCK[bt] == 256 || T_BLCK[rt] == 256) ? 256 : 32;
     /* scratch: the decoded chunk (RB rows x KC, 32-byte aligned), then RB x nc accumulators */
-    const size_t wbytes = (size_t)RB * KC * sizeof(float);
+    const size_t wbytes = nc > 1 ? (size_t)RB * WS * sizeof(float) : 0;
     uint8_t * mem = bs_scratch_get(scratch, wbytes + (size_t)RB * (size_t)(nc > 0 ? nc : 1) * sizeof(__m256) + 64);
     if (mem == NULL) {
         return; /* the caller checked capacity before; cannot happen */
@@ -372,23 +414,22 @@ TGT static void avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch
         }
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
             const int64_t n = K - k0 < KC ? K - k0 : KC;
-            for (int i = 0; i < nr; i++) {
-                float * wr = w + i * KC;
-                bool have = false;
-                if (job->w2 != NULL) {
-                    deq_store(job->w2_type, job->w2 + (size_t)(r + i) * job->w2_row_bytes, k0, n, wr);
-                    have = true;
-                }
-                if (job->r != NULL) {
-                    const uint8_t * rr = job->r + (size_t)(r + i) * job->r_row_bytes;
-                    if (have) deq_add(job->r_type, rr, k0, n, wr);
-                    else deq_store(job->r_type, rr, k0, n, wr);
-                }
-            }
             if (k0 + KC < K) {
-                prefetch_chunk(job, r, nr, k0 + KC, K - k0 - KC < KC ? K - k0 - KC : KC);
+                prefetch_chunk(job, bt, rt, r, nr, k0 + KC, K - k0 - KC < KC ? K - k0 - KC : KC);
             } else if (r + RB < r1) {
-                prefetch_chunk(job, r + RB, r1 - r - RB >= RB ? RB : (int)(r1 - r - RB), 0, K < KC ? K : KC);
+                prefetch_chunk(job, bt, rt, r + RB, r1 - r - RB >= RB ? RB : (int)(r1 - r - RB), 0, K < KC ? K : KC);
+            }
+            if (nc == 1) { /* constant row counts, so the accumulators stay in registers */
+                /* two rows at a time: two independent chains, and few enough live registers */
+                int i = 0;
+                for (; i + 2 <= nr; i += 2) dot_rows(job, bt, rt, unit, r + i, 2, k0, n, job->x + k0, acc + i);
+                if (i < nr) dot_rows(job, bt, rt, unit, r + i, 1, k0, n, job->x + k0, acc + i);
+                continue;
+            }
+            if (nr == RB) {
+                decode_rows(job, bt, rt, unit, r, RB, k0, n, w);
+            } else {
+                for (int i = 0; i < nr; i++) decode_rows(job, bt, rt, unit, r + i, 1, k0, n, w + (size_t)i * WS);
             }
             int64_t c = 0;
             for (; c + 2 <= nc; c += 2) {
@@ -397,7 +438,7 @@ TGT static void avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch
                 if (nr == RB) {
                     micro_4_2(w, xc, n, acc + c, nc);
                 } else {
-                    for (int i = 0; i < nr; i++) micro_1_2(w + i * KC, xc, n, acc + i * nc + c, nc);
+                    for (int i = 0; i < nr; i++) micro_1_2(w + i * WS, xc, n, acc + i * nc + c, nc);
                 }
             }
             if (c < nc) {
@@ -405,7 +446,7 @@ TGT static void avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch
                 if (nr == RB) {
                     micro_4_1(w, xc, n, acc + c, nc);
                 } else {
-                    for (int i = 0; i < nr; i++) micro_1_1(w + i * KC, xc, n, acc + i * nc + c, nc);
+                    for (int i = 0; i < nr; i++) micro_1_1(w + i * WS, xc, n, acc + i * nc + c, nc);
                 }
             }
         }
@@ -417,6 +458,32 @@ TGT static void avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch
             }
         }
     }
+}
+
+/* one compiled body per (base type, residual type): the decoders' switches fold away */
+typedef void (*rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
+#define BODY(B, R) \
+    TGT static void rows_##B##_##R(const bs_job * j, int64_t r0, int64_t r1, bs_scratch * s) { rows_body(j, B, R, r0, r1, s); }
+#define BODIES(B) BODY(B, T_NONE) BODY(B, T_Q6_K) BODY(B, T_Q8_0)
+BODIES(T_Q2_K) BODIES(T_Q3_K) BODIES(T_Q4_K) BODIES(T_Q5_K) BODIES(T_Q6_K) BODIES(T_Q8_0) BODIES(T_Q4_0) BODIES(T_Q4_1)
+BODY(T_NONE, T_Q6_K) BODY(T_NONE, T_Q8_0)
+#define ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0}
+/* [base code][0: unused, 1: no residual, 2: Q6_K residual, 3: Q8_0 residual] */
+static const rows_fn BODY_TABLE[T_COUNT][4] = {
+    {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0},
+    ROW(T_Q2_K), ROW(T_Q3_K), ROW(T_Q4_K), ROW(T_Q5_K), ROW(T_Q6_K), ROW(T_Q8_0), ROW(T_Q4_0), ROW(T_Q4_1),
+};
+
+static rows_fn body_for(const bs_job * job) {
+    const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);
+    const int col = rt == T_NONE ? 1 : rt == T_Q6_K ? 2 : rt == T_Q8_0 ? 3 : -1;
+    if (bt < 0 || col < 0) return NULL;
+    return BODY_TABLE[bt][col];
+}
+
+static void avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
+    const rows_fn f = body_for(job);
+    if (f != NULL) f(job, r0, r1, scratch); /* avx2_supports admitted the job */
 }
 
 const bs_kernel_family bs_family_avx2_f32 = {
