@@ -85,187 +85,18 @@ static void avx2_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
  * added before anything is stored.
  * ------------------------------------------------------------------------------------------- */
 
-enum { T_NONE, T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_Q8_0, T_Q4_0, T_Q4_1, T_COUNT };
+#include "avx2_quants.h"
 
-static int tcode(const uint8_t * data, enum ggml_type t) {
-    if (data == NULL) return T_NONE;
-    switch (t) {
-        case GGML_TYPE_Q2_K: return T_Q2_K;
-        case GGML_TYPE_Q3_K: return T_Q3_K;
-        case GGML_TYPE_Q4_K: return T_Q4_K;
-        case GGML_TYPE_Q5_K: return T_Q5_K;
-        case GGML_TYPE_Q6_K: return T_Q6_K;
-        case GGML_TYPE_Q8_0: return T_Q8_0;
-        case GGML_TYPE_Q4_0: return T_Q4_0;
-        case GGML_TYPE_Q4_1: return T_Q4_1;
-        default: return -1;
-    }
-}
-
-/* elements per block and bytes per block of each code */
-static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32};
-static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20};
-
-typedef struct {
-    const uint8_t * p;  /* the unit's first byte */
-    float D[16], O[16]; /* per sub-block scale and offset (superblock types) */
-} ustate;
-
-TGT static inline float h2f(const uint8_t * p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-INL __m256i srl8(__m256i v, int n) { return _mm256_srli_epi16(v, n); }
-
-/* D[j] = d * s[j], O[j] = z * D[j] for 16 signed byte scales */
-INL void scales16(__m128i v, float d, float z, float * D, float * O) {
-    const __m256 dd = _mm256_set1_ps(d), zz = _mm256_set1_ps(z);
-    const __m256 a = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
-    const __m256 b = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
-    _mm256_storeu_ps(D, a);
-    _mm256_storeu_ps(D + 8, b);
-    _mm256_storeu_ps(O, _mm256_mul_ps(zz, a));
-    _mm256_storeu_ps(O + 8, _mm256_mul_ps(zz, b));
-}
-
-static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * d, uint8_t * m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
-    }
-}
-
-INL void prep(int t, ustate * s, const uint8_t * b) {
-    s->p = b;
-    switch (t) {
-        case T_Q2_K: { /* scales: low nibbles x d; mins: high nibbles x -dmin */
-            const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F);
-            float unused[16];
-            scales16(_mm_and_si128(v, m4), h2f(b + 80), 0.0f, s->D, unused);
-            scales16(_mm_and_si128(_mm_srli_epi16(v, 4), m4), -h2f(b + 82), 0.0f, s->O, unused);
-            break;
-        }
-        case T_Q3_K: {
-            int8_t sc[16];
-            bs_q3k_scales(b + 96, sc);
-            scales16(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)sc), _mm_set1_epi8(32)), h2f(b + 108), -4.0f,
-                     s->D, s->O);
-            break;
-        }
-        case T_Q4_K:
-        case T_Q5_K: { /* 8 sub-blocks of 32 */
-            const float d = h2f(b), dmin = h2f(b + 2);
-            for (int j = 0; j < 8; j++) {
-                uint8_t sc, m;
-                scale_min_k4(j, b + 4, &sc, &m);
-                s->D[j] = d * (float)sc;
-                s->O[j] = -dmin * (float)m;
-            }
-            break;
-        }
-        case T_Q6_K:
-            scales16(_mm_loadu_si128((const __m128i *)(b + 192)), h2f(b + 208), -32.0f, s->D, s->O);
-            break;
-        default:
-            break; /* block-32 types read their scale per group */
-    }
-}
-
-/* four vectors from 32 byte codes: two sub-blocks of 16 (D, O indexed j, j + 1) */
-INL void four16(__m256i u, const float * D, const float * O, int j, __m256 v[4]) {
-    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
-    const __m256 D0 = _mm256_broadcast_ss(D + j), O0 = _mm256_broadcast_ss(O + j);
-    const __m256 D1 = _mm256_broadcast_ss(D + j + 1), O1 = _mm256_broadcast_ss(O + j + 1);
-    v[0] = _mm256_fmadd_ps(D0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), O0);
-    v[1] = _mm256_fmadd_ps(D0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), O0);
-    v[2] = _mm256_fmadd_ps(D1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), O1);
-    v[3] = _mm256_fmadd_ps(D1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), O1);
-}
-
-/* four vectors from 32 byte codes sharing one scale */
-INL void four32(__m256i u, __m256 D, __m256 O, __m256 v[4]) {
-    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
-    v[0] = _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), O);
-    v[1] = _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), O);
-    v[2] = _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), O);
-    v[3] = _mm256_fmadd_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), O);
-}
-
-/* group g (values 32g .. 32g + 31 of the unit) */
+/* group g as four f32 vectors, W = D u + O */
 INL void grp(int t, const ustate * s, int g, __m256 v[4]) {
-    const uint8_t * b = s->p;
-    switch (t) {
-        case T_Q2_K: { /* value 128n + 32j + l: bits 2j of qs[32n + l] */
-            const int n = g >> 2, j = g & 3;
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * n));
-            four16(_mm256_and_si256(srl8(q, 2 * j), _mm256_set1_epi8(3)), s->D, s->O, 8 * n + 2 * j, v);
-            break;
-        }
-        case T_Q3_K: { /* + 4 where the hmask bit (4n + j) is set */
-            const int n = g >> 2, j = g & 3;
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * n));
-            const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
-            const __m256i bit = _mm256_set1_epi8((char)(1u << (4 * n + j)));
-            const __m256i hset = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-            const __m256i u = _mm256_add_epi8(_mm256_and_si256(srl8(q, 2 * j), _mm256_set1_epi8(3)),
-                                              _mm256_and_si256(hset, _mm256_set1_epi8(4)));
-            four16(u, s->D, s->O, 8 * n + 2 * j, v);
-            break;
-        }
-        case T_Q4_K:
-        case T_Q5_K: { /* value 64z + l: low nibble of qs[32z + l]; 64z + 32 + l: high nibble */
-            const bool q5 = t == T_Q5_K;
-            const int z = g >> 1, hi = g & 1;
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (q5 ? 48 : 16) + 32 * z));
-            __m256i u = _mm256_and_si256(hi ? srl8(q, 4) : q, _mm256_set1_epi8(0x0F));
-            if (q5) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-                const __m256i bit = _mm256_set1_epi8((char)(1u << g));
-                u = _mm256_add_epi8(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
-                                                        _mm256_set1_epi8(16)));
-            }
-            four32(u, _mm256_broadcast_ss(s->D + g), _mm256_broadcast_ss(s->O + g), v);
-            break;
-        }
-        case T_Q6_K: { /* value 128n + 32m + l: nibble of ql[64n + 32(m&1) + l], 2 bits of qh[32n + l] */
-            const int n = g >> 2, m = g & 3;
-            const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (m & 1)));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
-            const __m256i lo = _mm256_and_si256(m >= 2 ? srl8(l, 4) : l, _mm256_set1_epi8(0x0F));
-            const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(srl8(h, 2 * m), _mm256_set1_epi8(3)), 4);
-            four16(_mm256_or_si256(lo, hb), s->D, s->O, 8 * n + 2 * m, v);
-            break;
-        }
-        case T_Q8_0: { /* W = d q */
-            const uint8_t * blk = b + 34 * g;
-            const __m256 D = _mm256_set1_ps(h2f(blk));
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-            v[0] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
-            v[1] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
-            v[2] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
-            v[3] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
-            break;
-        }
-        case T_Q4_0:
-        case T_Q4_1: { /* Q4_0: W = d (q - 8); Q4_1: W = d q + m; low nibbles are values 0..15 */
-            const bool q41 = t == T_Q4_1;
-            const uint8_t * blk = b + (q41 ? 20 : 18) * g;
-            const float d = h2f(blk);
-            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (q41 ? 4 : 2)));
-            const __m128i m4 = _mm_set1_epi8(0x0F);
-            const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-            four32(u, _mm256_set1_ps(d), _mm256_set1_ps(q41 ? h2f(blk + 2) : -8.0f * d), v);
-            break;
-        }
-        default:
-            break;
-    }
+    float D0, O0, D1, O1;
+    const __m256i u = gcodes(t, s, g, &D0, &O0, &D1, &O1);
+    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    const __m256 d0 = _mm256_set1_ps(D0), o0 = _mm256_set1_ps(O0), d1 = _mm256_set1_ps(D1), o1 = _mm256_set1_ps(O1);
+    v[0] = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), o0);
+    v[1] = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), o0);
+    v[2] = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), o1);
+    v[3] = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), o1);
 }
 
 /* the combined weights W2 + R of one group of one row */
@@ -282,7 +113,6 @@ INL void wgroup(int bt, int rt, const ustate * sb, const ustate * sr, int g, __m
     }
 }
 
-INL size_t toff(int t, int64_t k) { return (size_t)(k / T_BLCK[t]) * (size_t)T_SIZE[t]; }
 
 /* ---------------------------------------------------------------------------------------------
  * products. The arithmetic of every (row, column): W2 + R per 8 values as above, then
