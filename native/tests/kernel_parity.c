@@ -1,0 +1,376 @@
+/*
+ * Parity of ONE kernel family with ggml's dequantisation: kernels_avx2.c on x86-64, kernels_neon.c
+ * on AArch64, linked alone (no libggml: the family files use only ggml.h's types; the one library
+ * function they call, bs_scratch_get, is defined here with kernels.c's semantics), so the AArch64
+ * build is a static binary that runs under qemu-aarch64-static.
+ *
+ *   kernel_parity VECTORS [-v] [--dump FILE]
+ *       VECTORS  written by native/tests/make_parity_vectors.py
+ *       --dump   write every result of the batches of 16 (f32, case by case, mode by mode, column by
+ *                column) to FILE: the families of two architectures can then be compared bit for bit
+ *
+ * Each case of the file (quantized base and residual rows, activations, float64 reference
+ * products) is run in three modes, base + residual, residual alone (w2 NULL) and base alone
+ * (r NULL), through the family's own interface (supports, acts_size, prepare_acts, rows over row
+ * blocks of BS_ROW_BLOCK), for batches 1, 2, 3, 5 and 16, with padded ldx / ldy. Checks:
+ *   - every result within 1e-5 of max|ref| (the case and mode's largest reference value);
+ *   - batch invariance: each column bit-identical across the batches;
+ *   - the same bits whatever the row split (row blocks of 16, one call, single rows);
+ *   - accumulate: y += product gives the stored value plus the product, bit for bit;
+ *   - rows outside [r0, r1) and padding of y untouched.
+ * Prints one summary line `kernel_parity: PASS|FAIL: family, N cases, worst error E`; exit 1 on FAIL
+ * (77 and `kernel_parity: SKIP: ...` where this CPU cannot run the family, e.g. x86 without AVX2).
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bitsplit.h"
+#include "bs_internal.h"
+
+#if defined(__x86_64__)
+extern const bs_kernel_family bs_family_avx2_f32;
+#define FAMILY bs_family_avx2_f32
+#elif defined(__aarch64__)
+extern const bs_kernel_family bs_family_neon_f32;
+#define FAMILY bs_family_neon_f32
+#else
+#error "kernel_parity: no SIMD kernel family for this architecture"
+#endif
+
+#define TOL 1e-5
+#define PAD_X 8  /* ldx = K + PAD_X */
+#define PAD_Y 3  /* ldy = N + PAD_Y */
+#define SENTINEL 1234.5f
+
+/* what kernels.c does: grow by whole pages, 64-byte aligned, keep the old buffer on failure */
+void * bs_scratch_get(bs_scratch * s, size_t size) {
+    if (s->size >= size) {
+        return s->buf;
+    }
+    size_t want = (size + 4095) & ~(size_t)4095;
+    void * p = NULL;
+    if (posix_memalign(&p, 64, want) != 0) {
+        return NULL;
+    }
+    free(s->buf);
+    s->buf = p;
+    s->size = want;
+    return p;
+}
+
+static const char * type_name(uint32_t t) {
+    switch (t) {
+        case GGML_TYPE_Q2_K: return "Q2_K";
+        case GGML_TYPE_Q3_K: return "Q3_K";
+        case GGML_TYPE_Q4_K: return "Q4_K";
+        case GGML_TYPE_Q5_K: return "Q5_K";
+        case GGML_TYPE_Q6_K: return "Q6_K";
+        case GGML_TYPE_Q8_0: return "Q8_0";
+        case GGML_TYPE_Q4_0: return "Q4_0";
+        case GGML_TYPE_Q4_1: return "Q4_1";
+        default: return "?";
+    }
+}
+
+/* elements and bytes per block of the types a split holds (ggml_blck_size / ggml_type_size) */
+static bool block_of(uint32_t t, int64_t * blck, size_t * bytes) {
+    static const struct { uint32_t t; int64_t blck; size_t bytes; } tab[] = {
+        {GGML_TYPE_Q2_K, 256, 84},  {GGML_TYPE_Q3_K, 256, 110}, {GGML_TYPE_Q4_K, 256, 144},
+        {GGML_TYPE_Q5_K, 256, 176}, {GGML_TYPE_Q6_K, 256, 210}, {GGML_TYPE_Q8_0, 32, 34},
+        {GGML_TYPE_Q4_0, 32, 18},   {GGML_TYPE_Q4_1, 32, 20},
+    };
+    for (size_t i = 0; i < sizeof(tab) / sizeof(tab[0]); i++) {
+        if (tab[i].t == t) {
+            *blck = tab[i].blck;
+            *bytes = tab[i].bytes;
+            return true;
+        }
+    }
+    return false;
+}
+
+static int n_fail = 0;
+static int verbose = 0;
+
+static void fail(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
+static void fail(const char * fmt, ...) {
+    if (n_fail++ < 20) {
+        va_list ap;
+        va_start(ap, fmt);
+        fputs("kernel_parity: ", stderr);
+        vfprintf(stderr, fmt, ap);
+        fputc('\n', stderr);
+        va_end(ap);
+    }
+}
+
+static bool read_all(FILE * f, void * p, size_t n) { return fread(p, 1, n, f) == n; }
+
+typedef struct {
+    uint32_t bt, rt, K, N, brb, rrb;
+    uint8_t * w2;
+    uint8_t * r;
+    float * x;    /* max_cols x K */
+    double * ref; /* 3 x max_cols x N */
+} pcase;
+
+static const char * MODE[3] = {"W2+R", "R", "W2"};
+
+/* one run: y (n_cols columns of ldy = N + PAD_Y, padding set to SENTINEL) = the product; rows in
+ * calls of `split` rows (0: one call); accumulate adds to what y holds */
+static bool run(const pcase * c, int mode, int n_cols, const float * xpad, float * y, int64_t split, bool accumulate,
+                bs_scratch * scratch) {
+    const int64_t K = c->K, N = c->N;
+    bs_job job;
+    memset(&job, 0, sizeof(job));
+    job.w2 = mode == 1 ? NULL : c->w2;
+    job.r = mode == 2 ? NULL : c->r;
+    job.w2_type = (enum ggml_type)c->bt;
+    job.r_type = (enum ggml_type)c->rt;
+    job.w2_row_bytes = c->brb;
+    job.r_row_bytes = c->rrb;
+    job.K = K;
+    job.N = N;
+    job.x = xpad;
+    job.ldx = K + PAD_X;
+    job.n_cols = n_cols;
+    job.y = y;
+    job.ldy = N + PAD_Y;
+    job.accumulate = accumulate;
+    /* the families serve the default (BF16) precision; F32 belongs to the generic family */
+    job.precision = BITSPLIT_PREC_BF16;
+    if (!FAMILY.supports(&job)) {
+        fail("%s does not support %s + %s (%s), K=%lld", FAMILY.name, type_name(c->bt), type_name(c->rt), MODE[mode],
+             (long long)K);
+        return false;
+    }
+    const size_t as = FAMILY.acts_size(&job);
+    void * acts = NULL;
+    if (as > 0) {
+        if (posix_memalign(&acts, 64, as + 64) != 0) {
+            fail("out of memory");
+            return false;
+        }
+        job.acts = acts;
+        FAMILY.prepare_acts(&job, 0, n_cols);
+    }
+    if (split <= 0) {
+        FAMILY.rows(&job, 0, N, scratch);
+    } else {
+        for (int64_t r0 = 0; r0 < N; r0 += split) {
+            FAMILY.rows(&job, r0, r0 + split < N ? r0 + split : N, scratch);
+        }
+    }
+    free(acts);
+    return true;
+}
+
+static bool same_bits(float a, float b) { return memcmp(&a, &b, sizeof(float)) == 0; }
+
+int main(int argc, char ** argv) {
+    const char * path = NULL, * dump_path = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "-v") == 0) {
+            verbose = 1;
+        } else if (strcmp(argv[i], "--dump") == 0 && i + 1 < argc) {
+            dump_path = argv[++i];
+        } else {
+            path = argv[i];
+        }
+    }
+    if (path == NULL) {
+        fprintf(stderr, "usage: kernel_parity VECTORS [-v] [--dump FILE]\n");
+        return 2;
+    }
+    if (!FAMILY.available()) {
+        printf("kernel_parity: SKIP: %s, this CPU cannot run it\n", FAMILY.name);
+        return 77;
+    }
+    FILE * f = fopen(path, "rb");
+    if (f == NULL) {
+        perror(path);
+        return 2;
+    }
+    char magic[8];
+    uint32_t hdr[2];
+    if (!read_all(f, magic, 8) || memcmp(magic, "BSPARV01", 8) != 0 || !read_all(f, hdr, sizeof(hdr))) {
+        fprintf(stderr, "kernel_parity: %s: not a parity vector file\n", path);
+        return 2;
+    }
+    const uint32_t n_cases = hdr[0], max_cols = hdr[1];
+    static const int BATCHES[] = {1, 2, 3, 5, 16};
+    const int NB = (int)(sizeof(BATCHES) / sizeof(BATCHES[0]));
+    if (max_cols < 16) {
+        fprintf(stderr, "kernel_parity: %s has %u columns per case, 16 needed\n", path, max_cols);
+        return 2;
+    }
+    FILE * dump = NULL;
+    if (dump_path != NULL && (dump = fopen(dump_path, "wb")) == NULL) {
+        perror(dump_path);
+        return 2;
+    }
+    bs_scratch scratch = {NULL, 0};
+    double worst = 0.0;
+    int n_checked = 0, n_runs = 0;
+    const char * worst_at = "";
+    static char worst_buf[160];
+    for (uint32_t ci = 0; ci < n_cases; ci++) {
+        pcase c;
+        memset(&c, 0, sizeof(c));
+        if (!read_all(f, &c.bt, 6 * sizeof(uint32_t))) {
+            fprintf(stderr, "kernel_parity: %s: truncated at case %u\n", path, ci);
+            return 2;
+        }
+        int64_t bb, rbk;
+        size_t bsz, rsz;
+        if (!block_of(c.bt, &bb, &bsz) || !block_of(c.rt, &rbk, &rsz) || c.K % bb || c.K % rbk ||
+            c.brb != c.K / bb * bsz || c.rrb != c.K / rbk * rsz) {
+            fprintf(stderr, "kernel_parity: case %u: unexpected types %u/%u or row sizes %u/%u for K=%u\n", ci, c.bt,
+                    c.rt, c.brb, c.rrb, c.K);
+            return 2;
+        }
+        const int64_t K = c.K, N = c.N, ldx = K + PAD_X, ldy = N + PAD_Y;
+        c.w2 = malloc((size_t)N * c.brb);
+        c.r = malloc((size_t)N * c.rrb);
+        c.x = malloc((size_t)max_cols * K * sizeof(float));
+        c.ref = malloc((size_t)3 * max_cols * N * sizeof(double));
+        float * xpad = malloc((size_t)max_cols * ldx * sizeof(float));
+        float * ys[16];
+        float * yacc = malloc((size_t)max_cols * ldy * sizeof(float));
+        for (int b = 0; b < NB; b++) ys[b] = malloc((size_t)max_cols * ldy * sizeof(float));
+        if (!c.w2 || !c.r || !c.x || !c.ref || !xpad || !yacc) {
+            fprintf(stderr, "kernel_parity: out of memory\n");
+            return 2;
+        }
+        if (!read_all(f, c.w2, (size_t)N * c.brb) || !read_all(f, c.r, (size_t)N * c.rrb) ||
+            !read_all(f, c.x, (size_t)max_cols * K * sizeof(float)) ||
+            !read_all(f, c.ref, (size_t)3 * max_cols * N * sizeof(double))) {
+            fprintf(stderr, "kernel_parity: %s: truncated at case %u\n", path, ci);
+            return 2;
+        }
+        for (uint32_t col = 0; col < max_cols; col++) {
+            memcpy(xpad + col * ldx, c.x + (size_t)col * K, (size_t)K * sizeof(float));
+            for (int p = 0; p < PAD_X; p++) xpad[col * ldx + K + p] = NAN; /* never read */
+        }
+        for (int mode = 0; mode < 3; mode++) {
+            const double * ref = c.ref + (size_t)mode * max_cols * N;
+            double scale = 0.0, err = 0.0;
+            for (int64_t i = 0; i < (int64_t)max_cols * N; i++) scale = fmax(scale, fabs(ref[i]));
+            if (scale == 0.0) scale = 1.0;
+            char where[96];
+            snprintf(where, sizeof(where), "%s + %s K=%u N=%u %s", type_name(c.bt), type_name(c.rt), c.K, c.N,
+                     MODE[mode]);
+            for (int b = 0; b < NB; b++) {
+                const int nc = BATCHES[b];
+                float * y = ys[b];
+                for (int64_t i = 0; i < (int64_t)max_cols * ldy; i++) y[i] = SENTINEL;
+                if (!run(&c, mode, nc, xpad, y, BS_ROW_BLOCK, false, &scratch)) break;
+                n_runs++;
+                for (int col = 0; col < nc; col++) {
+                    for (int64_t row = 0; row < N; row++) {
+                        const double e = fabs((double)y[col * ldy + row] - ref[col * N + row]) / scale;
+                        if (!(e <= err)) err = isnan(e) ? INFINITY : e;
+                    }
+                    for (int p = 0; p < PAD_Y; p++) {
+                        if (!same_bits(y[col * ldy + N + p], SENTINEL)) {
+                            fail("%s batch %d: wrote past row N in column %d", where, nc, col);
+                            break;
+                        }
+                    }
+                }
+                for (int64_t i = (int64_t)nc * ldy; i < (int64_t)max_cols * ldy; i++) {
+                    if (!same_bits(y[i], SENTINEL)) {
+                        fail("%s batch %d: wrote past column %d", where, nc, nc);
+                        break;
+                    }
+                }
+            }
+            if (dump != NULL) {
+                for (int col = 0; col < 16; col++) {
+                    if (fwrite(ys[NB - 1] + col * ldy, sizeof(float), (size_t)N, dump) != (size_t)N) {
+                        fail("cannot write %s", dump_path);
+                    }
+                }
+            }
+            /* batch invariance: every column as in the batch of 16 */
+            for (int b = 0; b + 1 < NB; b++) {
+                for (int col = 0; col < BATCHES[b]; col++) {
+                    for (int64_t row = 0; row < N; row++) {
+                        if (!same_bits(ys[b][col * ldy + row], ys[NB - 1][col * ldy + row])) {
+                            fail("%s: column %d row %lld differs between batch %d (%.9g) and 16 (%.9g)", where, col,
+                                 (long long)row, BATCHES[b], ys[b][col * ldy + row], ys[NB - 1][col * ldy + row]);
+                            col = BATCHES[b];
+                            break;
+                        }
+                    }
+                }
+            }
+            /* row splits: one call, and one row per call, give the same bits as blocks of 16 */
+            for (int s = 0; s < 2; s++) {
+                const int nc = 3; /* ys[2] */
+                for (int64_t i = 0; i < (int64_t)max_cols * ldy; i++) yacc[i] = SENTINEL;
+                if (!run(&c, mode, nc, xpad, yacc, s == 0 ? 0 : 1, false, &scratch)) break;
+                n_runs++;
+                for (int64_t i = 0; i < (int64_t)nc * ldy; i++) {
+                    if (!same_bits(yacc[i], ys[2][i])) {
+                        fail("%s: %s differs from row blocks of %d at column %lld row %lld", where,
+                             s == 0 ? "one call" : "one row per call", BS_ROW_BLOCK, (long long)(i / ldy),
+                             (long long)(i % ldy));
+                        break;
+                    }
+                }
+            }
+            /* accumulate: y0 + product, bit for bit (batch 5) */
+            {
+                const int nc = 5;
+                for (int64_t i = 0; i < (int64_t)max_cols * ldy; i++) yacc[i] = (float)((i % 7) - 3) * 0.37f;
+                if (run(&c, mode, nc, xpad, yacc, BS_ROW_BLOCK, true, &scratch)) {
+                    n_runs++;
+                    for (int col = 0; col < nc; col++) {
+                        for (int64_t row = 0; row < N; row++) {
+                            const int64_t i = col * ldy + row;
+                            const float want = (float)((i % 7) - 3) * 0.37f + ys[3][i];
+                            if (!same_bits(yacc[i], want)) {
+                                fail("%s: accumulate column %d row %lld: %.9g, expected %.9g", where, col,
+                                     (long long)row, yacc[i], want);
+                                col = nc;
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            n_checked++;
+            if (!(err <= TOL)) {
+                fail("%s: error %.3g of max|ref| (%.4g), tolerance %.0e", where, err, scale, TOL);
+            }
+            if (verbose) {
+                printf("  %-32s error %.3g\n", where, err);
+            }
+            if (!(err <= worst)) {
+                worst = err;
+                snprintf(worst_buf, sizeof(worst_buf), " (%s)", where);
+                worst_at = worst_buf;
+            }
+        }
+        for (int b = 0; b < NB; b++) free(ys[b]);
+        free(yacc);
+        free(xpad);
+        free(c.w2);
+        free(c.r);
+        free(c.x);
+        free(c.ref);
+    }
+    fclose(f);
+    if (dump != NULL && fclose(dump) != 0) {
+        fail("cannot write %s", dump_path);
+    }
+    free(scratch.buf);
+    printf("kernel_parity: %s: %s, %d cases, worst error %.3g%s (%d runs, batches 1,2,3,5,16, tolerance %.0e)\n",
+           n_fail == 0 && n_checked > 0 ? "PASS" : "FAIL", FAMILY.name, n_checked, worst, worst_at, n_runs, TOL);
+    return n_fail == 0 && n_checked > 0 ? 0 : 1;
+}

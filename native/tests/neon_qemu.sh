@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Runs the ARM kernel family (native/arch/arm/kernels_neon.c, "neon-f32") without ARM hardware and
+# checks that it computes the same products as ggml's dequantisation (and as x86's avx2-f32):
+#
+#   1. builds native/tests/kernel_parity.c twice: natively with kernels_avx2.c (-O1, see below), and
+#      for AArch64 with kernels_neon.c (aarch64-linux-gnu-gcc, -O3 as the library is built, -static:
+#      qemu needs no AArch64 sysroot); both cached (see below);
+#   2. writes test vectors with native/tests/make_parity_vectors.py (ggml's own quantizer and
+#      dequantizers, float64 reference products);
+#   3. runs the x86 harness, then the AArch64 one under qemu-aarch64-static (user-mode emulation);
+#   4. reports whether the two families' results are also bit-identical (information only: they
+#      use the same operations in the same order today, but only the tolerance is their contract).
+#
+#   native/tests/neon_qemu.sh            (from anywhere)
+#
+# Needs aarch64-linux-gnu-gcc (Debian: gcc-aarch64-linux-gnu) and qemu-aarch64-static (Debian:
+# qemu-user-static); installs them with apt-get when missing and running as root. Exit status: 0 both
+# PASS, 1 a FAIL (or a build error), 77 a tool is missing and cannot be installed here.
+# Environment: PYTHON (default: the repository's .venv, else python3), CC (native compiler, default
+# cc), CROSS_CC (default aarch64-linux-gnu-gcc), QEMU (default qemu-aarch64-static),
+# NEON_QEMU_NO_CACHE=1 (rebuild the harnesses even where a cached build of the same sources exists),
+# NEON_QEMU_X86_OPT (optimisation of the x86 reference harness, default -O1).
+set -euo pipefail
+T0=$(date +%s.%N)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=$(command -v python3 || command -v python); fi
+fi
+CC=${CC:-cc}
+CROSS_CC=${CROSS_CC:-aarch64-linux-gnu-gcc}
+QEMU=${QEMU:-qemu-aarch64-static}
+HOST=$(uname -m)
+
+skip() { echo "neon_qemu: SKIP: $*" >&2; exit 77; }
+
+# a missing tool: installed with apt-get when we are root, else a clear message and exit 77
+need() { # need COMMAND DEBIAN_PACKAGE
+    command -v "$1" >/dev/null && return 0
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "neon_qemu: $1 not found; installing $2 with apt-get" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q "$2" >/dev/null 2>&1 ||
+            { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$2" >/dev/null 2>&1; } || true
+        command -v "$1" >/dev/null && return 0
+        skip "$1 not found, even after trying 'apt-get install $2'"
+    fi
+    skip "$1 not found (install the Debian package $2: apt-get install $2, as root)"
+}
+
+if [[ "$HOST" == "aarch64" ]]; then
+    CROSS_CC=$CC # the AArch64 harness runs natively; there is no x86 family to compare with
+else
+    need "$CROSS_CC" gcc-aarch64-linux-gnu
+    need "$QEMU" qemu-user-static
+fi
+command -v "$CC" >/dev/null || skip "native C compiler $CC not found"
+
+INC=$("$PYTHON" - <<'PY'
+import os, llama_cpp
+pkg = os.path.dirname(os.path.abspath(llama_cpp.__file__))
+for cand in (os.path.join(os.path.dirname(pkg), "include"), os.path.join(pkg, "include")):
+    if os.path.exists(os.path.join(cand, "ggml.h")):
+        print(cand)
+        break
+PY
+)
+[[ -n "$INC" ]] || { echo "neon_qemu: ggml headers of llama-cpp-python not found" >&2; exit 1; }
+
+OUT=$(mktemp -d "${TMPDIR:-/tmp}/bitsplit-neon-qemu.XXXXXX")
+trap 'rm -rf "$OUT"' EXIT
+cd "$ROOT"
+FLAGS=(-std=c11 -O3 -Wall -Werror -Inative -I"$INC")
+
+# 1. builds, cached under $BITSPLIT_CACHE|$XDG_CACHE_HOME/bitsplit-llama|~/.cache/bitsplit-llama/
+# parity/<hash of sources, headers, compiler and flags>: kernels_avx2.c alone takes 25 s (-O1) to
+# 45 s (-O3) to compile on 2 cores (one unrolled body per type pair), the rest of the script ~10 s
+CACHE=${BITSPLIT_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/bitsplit-llama}/parity
+build() { # build OUTPUT COMPILER FAMILY_FILE [FLAGS...]: a cached binary linked to OUTPUT
+    local out=$1 cc=$2 fam=$3
+    shift 3
+    local key
+    key=$( { cat native/tests/kernel_parity.c "$fam" native/bs_internal.h native/bitsplit.h "$INC/ggml.h"
+             "$cc" --version; echo "$* ${FLAGS[*]}"; } | sha256sum | cut -c1-16)
+    local bin="$CACHE/$key/$(basename "$out")"
+    if [[ ! -x "$bin" || -n "${NEON_QEMU_NO_CACHE:-}" ]]; then
+        "$cc" "${FLAGS[@]}" "$@" native/tests/kernel_parity.c "$fam" -o "$out.tmp" -lm || return 1
+        if mkdir -p "$CACHE/$key" 2>/dev/null && cp "$out.tmp" "$bin.$BASHPID" 2>/dev/null; then
+            mv -f "$bin.$BASHPID" "$bin"
+        else
+            bin="$out.tmp" # no cache here: use the fresh build
+        fi
+    fi
+    ln -sf "$bin" "$out"
+}
+pids=()
+if [[ "$HOST" == "x86_64" ]]; then
+    # the x86 reference at -O1 (the same results, intrinsics throughout and no FP contraction under
+    # -std=c11; -O3 takes twice as long to build it): the library's own -O3 build of avx2-f32 is
+    # checked by tests/test_kernels.py; NEON_QEMU_X86_OPT=-O3 to build it so here too
+    build "$OUT/parity_x86" "$CC" native/arch/x86/kernels_avx2.c "${NEON_QEMU_X86_OPT:--O1}" &
+    pids+=($!)
+fi
+build "$OUT/parity_arm" "$CROSS_CC" native/arch/arm/kernels_neon.c -static &
+pids+=($!)
+
+# 2. vectors (while the harnesses build)
+"$PYTHON" native/tests/make_parity_vectors.py "$OUT/vectors.bin"
+for p in "${pids[@]}"; do
+    wait "$p" || { echo "neon_qemu: FAIL: a harness did not build" >&2; exit 1; }
+done
+if command -v file >/dev/null && [[ "$HOST" != "aarch64" ]]; then
+    file -L "$OUT/parity_arm" | grep -q "ARM aarch64" ||
+        { echo "neon_qemu: $OUT/parity_arm is not an AArch64 executable" >&2; exit 1; }
+fi
+
+# 3. runs
+status=0
+x86_line="(no x86 run on $HOST)"
+if [[ "$HOST" == "x86_64" ]]; then
+    set +e
+    "$OUT/parity_x86" "$OUT/vectors.bin" --dump "$OUT/x86.out" >"$OUT/x86.log"
+    rc=$?
+    set -e
+    x86_line=$(grep "^kernel_parity:" "$OUT/x86.log" | tail -1 || true)
+    [[ -n "$x86_line" ]] || x86_line="kernel_parity: FAIL: avx2-f32 harness exited $rc without a summary"
+    [[ $rc -eq 0 || $rc -eq 77 ]] || status=1
+fi
+set +e
+T1=$(date +%s.%N)
+if [[ "$HOST" == "aarch64" ]]; then
+    "$OUT/parity_arm" "$OUT/vectors.bin" --dump "$OUT/arm.out" >"$OUT/arm.log"
+else
+    "$QEMU" "$OUT/parity_arm" "$OUT/vectors.bin" --dump "$OUT/arm.out" >"$OUT/arm.log"
+fi
+rc=$?
+T2=$(date +%s.%N)
+set -e
+arm_line=$(grep "^kernel_parity:" "$OUT/arm.log" | tail -1 || true)
+[[ -n "$arm_line" ]] || arm_line="kernel_parity: FAIL: neon-f32 harness exited $rc without a summary"
+[[ $rc -eq 0 ]] || status=1
+
+echo "x86-64 (native):           $x86_line"
+echo "AArch64 (qemu user-mode):  $arm_line"
+
+# 4. bit-identity of the two families (information)
+if [[ -f "$OUT/x86.out" && -f "$OUT/arm.out" ]]; then
+    if cmp -s "$OUT/x86.out" "$OUT/arm.out"; then
+        echo "neon_qemu: neon-f32 and avx2-f32 results bit-identical ($(( $(stat -c %s "$OUT/arm.out") / 4 )) values, batches of 16)"
+    else
+        echo "neon_qemu: note: neon-f32 and avx2-f32 results are not bit-identical (information only: the tolerance is the contract)"
+    fi
+fi
+verdict=PASS
+[[ $status -eq 0 ]] || verdict=FAIL
+grep -q "^kernel_parity: FAIL" <<<"$x86_line"$'\n'"$arm_line" && verdict=FAIL && status=1
+awk -v v="$verdict" -v t0="$T0" -v t1="$T1" -v t2="$T2" -v t3="$(date +%s.%N)" \
+    'BEGIN { printf "neon_qemu: %s in %.1f s (qemu run %.1f s)\n", v, t3 - t0, t2 - t1 }'
+exit $status
