@@ -160,8 +160,6 @@ def run(
 
     sp = _sampling(temp, top_k, top_p, min_p, seed)
     nodes = 0 if no_spec else _tree_nodes(tree_nodes)
-    if nodes == "auto" and n_ctx < 512:
-        raise InvalidOptionError(f"--n-ctx: {n_ctx} is too small for --tree-nodes auto's calibration (at least 512)")
     if n_predict < 0:
         raise InvalidOptionError(f"-n: {n_predict} is negative")
     if n_gpu_layers < 0:
@@ -478,35 +476,78 @@ def fetch(
 
 @app.command()
 def demo(
-    model: str = typer.Option("smollm2-135m", "--model", help="Known model to fetch (see 'bitsplit fetch --list')."),
-    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Where to put the split (default: in the cache)."),
+    model: str = typer.Option("smollm2-135m", "--model",
+                              help="A known model to fetch (see 'bitsplit fetch --list'), or a GGUF file."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Where to put the split (default: in the cache, reused)."),
     prompt: str = typer.Option("The three primary colors are", "-p", "--prompt"),
-    n_predict: int = typer.Option(48, "-n", "--n-predict"),
+    n_predict: int = typer.Option(48, "-n", "--n-predict", help="Tokens to generate."),
+    tree_nodes: str = typer.Option("auto", "--tree-nodes", help="Draft tree size: 'auto' (as 'bitsplit run') or a number."),
+    threads: Optional[int] = THREADS,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the text, rates, tokens per verify)."),
 ) -> None:
-    """Fetch a small real model, split it, and generate from the split: the whole pipeline at once."""
-    from .cache import cache_dir
-    from .tools.fetch import fetch_model
-    from .formats.modeldir import split_info
-    from .formats.split import split_model
+    """Fetch a small real model, split it, and generate with the speculative engine, next to the verifier
+    alone and stock llama.cpp on the original file: text, tokens/s, tokens per verify."""
+    from .tools.demo import run_demo
+    from .tools.progress import make_progress
 
-    src = fetch_model(model, log=lambda s: print(s, file=sys.stderr, flush=True))
-    out_dir = out or cache_dir() / "splits" / model
-    if not ((out_dir / "residual.gguf").exists() and (out_dir / "base.gguf").exists()):
-        from .tools.progress import make_progress
+    started = []
 
-        print(f"splitting {src.name} -> {out_dir}", file=sys.stderr, flush=True)
-        split_model(src, out_dir, progress=make_progress(False))
-    i = split_info(out_dir)
-    print(f"{out_dir}: base {_fmt_bytes(i.base_bytes)} ({i.base_bpw:.2f} bpw) + residual "
-          f"{_fmt_bytes(i.residual_bytes)} ({i.residual_bpw:.2f} bpw), fingerprint {'ok' if i.fingerprint_ok else 'MISMATCH'}")
-    _demo_generate(out_dir, prompt, n_predict)
+    def piece(s: str) -> None:  # the prompt, then the speculative text as it comes
+        if not started:
+            started.append(True)
+            sys.stdout.write(prompt)
+        sys.stdout.write(s)
+        sys.stdout.flush()
+
+    rep = run_demo(model, out=out, prompt=prompt, n_predict=n_predict, tree_nodes=_tree_nodes(tree_nodes),
+                   threads=threads, log=_say, on_piece=None if as_json else piece, progress=make_progress(as_json))
+    if as_json:
+        _print_json(rep.to_json())
+        return
+    print(flush=True)
+    _print_demo(rep)
 
 
-def _demo_generate(out_dir: Path, prompt: str, n_predict: int) -> None:
-    from .runtime.stock import generate_with_base
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
-    text = generate_with_base(out_dir / "base.gguf", prompt, n_predict)
-    print(f"{prompt}{text}")
+
+def _print_demo(rep) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    s, v, k = rep.speculative, rep.verifier, rep.stock
+    n = len(s.tokens)
+    nodes, width, rounds = rep.tree_shape
+    src = rep.source.name
+    t = Table(box=box.SIMPLE_HEAD, title=f"{n} tokens, greedy, {rep.threads} threads", title_justify="left")
+    for col, just in (("", "left"), ("tokens/s", "right"), ("tokens/verify", "right"), ("same tokens?", "left")):
+        t.add_column(col, justify=just)
+    same = rep.identical_to_verifier
+    if same:
+        verdict = f"yes, all {n}"
+    else:
+        first = next((i for i, (a, b) in enumerate(zip(s.tokens, v.tokens)) if a != b), min(len(s.tokens), len(v.tokens)))
+        verdict = f"NO: differs at token {first}"
+    t.add_row("speculative", f"{s.tokens_per_second:.1f}", f"{s.accepted_per_verify:.2f}", verdict)
+    t.add_row("verifier alone (--no-spec)", f"{v.tokens_per_second:.1f}", f"{v.accepted_per_verify:.2f}", "(the reference)")
+    t.add_row("stock llama.cpp, source", f"{k.tokens_per_second:.1f}", "-", f"the first {rep.stock_agreement} of {n}")
+    Console().print(t)
+    tree = (f"drafts a tree of {_plural(nodes, 'node')} (width {width}, up to {_plural(rounds, 'round')})"
+            + (", the size chosen for this machine" if rep.tree_auto else "")
+            if nodes else "drafts nothing: the auto tree chose plain decoding here (try --tree-nodes 8)")
+    print(f"drafter  = base.gguf alone ({rep.base_bpw:.2f} bits/weight): {tree}")
+    print(f"verifier = base + residual.gguf ({rep.residual_bpw:.2f} bits/weight, in system RAM): checks the tree in one "
+          "pass; every token is its own")
+    print(f"stock    = plain llama.cpp on {src}, the file that was split")
+    if same:
+        print("Greedy, the speculative tokens must be the verifier's own, token for token: they are.")
+    else:
+        print("Greedy, the speculative tokens should be the verifier's own: here they are not (large trees can "
+              "part from it at near-ties; see the README).")
+    print("Rates exclude the prompt. On a CPU alone, with a small model, the gain is modest: bitsplit is made for "
+          "models whose Q8_0 does not fit the GPU ('bitsplit plan' projects one).")
 
 
 # ---------------------------------------------------------------------------------------------

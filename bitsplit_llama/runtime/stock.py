@@ -1,6 +1,6 @@
 """Stock llama-cpp-python, as a user would run it: ``llama_cpp.Llama`` on one GGUF, with nothing of
-ours loaded into it (the demo's base-only text, the bench's stock side, tests and bench scripts that
-need plain llama.cpp behaviour).
+ours loaded into it (the stock side of the demo and the bench, tests and bench scripts that need
+plain llama.cpp behaviour).
 
 One change, made here and nowhere else: prompts are fed one token per ``llama_decode``
 (``n_batch=1``). llama-cpp-python 0.3.36 built with GCC 12 and -march=native on an AMX CPU crashes
@@ -21,13 +21,3 @@ def stock_llama(path: str | os.PathLike[str], n_ctx: int = 256, **kw):
     kw.setdefault("verbose", False)
     return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=1, n_ubatch=1, **kw)
 
-
-def generate_with_base(path: str | os.PathLike[str], prompt: str, n_predict: int, n_ctx: int = 512,
-                       seed: int = 0) -> str:
-    """Greedy text from one GGUF through stock llama.cpp (the demo shows the base is an ordinary model)."""
-    llm = stock_llama(path, n_ctx=n_ctx, seed=seed)
-    try:
-        out = llm.create_completion(prompt, max_tokens=n_predict, temperature=0.0)
-        return out["choices"][0]["text"]
-    finally:
-        llm.close()
