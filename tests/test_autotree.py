@@ -1,10 +1,16 @@
-"""--tree-nodes auto end to end on a tiny model: measured once through the engine's measurement API,
-cached, and the chosen tree still emits the verifier's tokens."""
+"""--tree-nodes auto end to end on a tiny model: measured once through the engine's measurement API
+(in a context of its own), cached, and the chosen tree still emits the verifier's tokens, with any
+context size."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from bitsplit_llama.cli import main
 from bitsplit_llama.speculative import autotree
-from bitsplit_llama.speculative.engine import Engine, Stats, TreeShape
+from bitsplit_llama.speculative.engine import Engine, Stats, TreeShape, max_lanes
 from bitsplit_llama.speculative.generate import Generator
 from bitsplit_llama.speculative.sampling import SamplingParams
 
@@ -43,3 +49,56 @@ def test_auto_tree_is_measured_once_and_keeps_the_verifiers_tokens(tiny_split, t
     with Generator(tiny_split, n_ctx=512, tree_nodes="auto", log=said.append) as g2:
         assert not any("measuring" in s for s in said)  # the cached profile
         assert g2.auto_choice == choice
+
+
+def _to_the_end(g, n_ctx):
+    """Greedy to the end of the context, speculative and verifier alone."""
+    spec = g.generate(PROMPT, max_tokens=10 * n_ctx)
+    plain = g.generate(PROMPT, max_tokens=10 * n_ctx, speculative=False)
+    if spec.finish_reason == "length":  # every position used: the last token emitted is not cached
+        assert len(PROMPT) + len(spec.tokens) == n_ctx + 1
+    return spec, plain
+
+
+@pytest.mark.parametrize("n_ctx", [256, 128, 48])
+def test_auto_tree_with_any_context_size(tiny_split, tmp_path, monkeypatch, capsys, n_ctx):
+    """The calibration runs in a context of its own: a small --n-ctx neither refuses nor limits it,
+    the user's context keeps its size and cache, and greedy output is the verifier's to the last
+    position of the context."""
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path))
+    said = []
+    with Generator(tiny_split, n_ctx=n_ctx, tree_nodes="auto", log=said.append) as g:
+        assert any("measuring" in s for s in said) and any("acceptance by drafter rank" in s for s in said)
+        assert g.n_ctx == n_ctx and g.engine.n_past == 0 and g.sm.ctx.seq_pos_max(0) == -1
+        spec, plain = _to_the_end(g, n_ctx)
+        assert spec.tokens == plain.tokens
+    # the same through the command line, which used to refuse --n-ctx below 512
+    code = main(["run", str(tiny_split), "-p", "the cat", "-n", "8", "--n-ctx", str(n_ctx), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["n_tokens"] == 8
+
+
+@pytest.mark.parametrize("n_ctx", [256, 128, 40])
+def test_auto_trees_fill_small_contexts_with_the_verifiers_tokens(tiny_split, tmp_path, monkeypatch, n_ctx):
+    """A profile under which wide trees win (every pass costs the same) makes auto choose one; near a
+    small context's end the tree's lanes, rows and dummy row still fit (cells reserved beyond n_ctx)."""
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path))
+    flat = autotree.Profile({b: 10.0 for b in autotree.VERIFY_BATCHES}, {b: 0.1 for b in autotree.DRAFT_BATCHES},
+                            [0.7, 0.1, 0.05, 0.05], 10.0)
+    monkeypatch.setattr(autotree, "measure", lambda *a, **k: flat)
+    with Generator(tiny_split, n_ctx=n_ctx, tree_nodes="auto") as g:
+        assert g.shape.nodes >= 16, g.shape
+        spec, plain = _to_the_end(g, n_ctx)
+        assert spec.tokens == plain.tokens and spec.stats.n_verify < len(spec.tokens)
+
+
+@pytest.mark.parametrize("n_ctx", [256, 17])
+def test_fixed_trees_reach_the_end_of_the_context(tiny_split, n_ctx):
+    """A context of 256 positions gets exactly 256 cells from llama.cpp: without cells reserved for
+    the dummy row and the tree's lanes, the last steps found no room (a ContextLimitError mid-answer)."""
+    for nodes in (24, 4):
+        with Generator(tiny_split, n_ctx=n_ctx, tree_nodes=nodes) as g:
+            assert g.sm.ctx.n_cells >= n_ctx + max_lanes(g.shape) + 1
+            spec, plain = _to_the_end(g, n_ctx)
+            assert spec.tokens == plain.tokens and spec.finish_reason == plain.finish_reason == "length"

@@ -121,20 +121,34 @@ class Model:
 
 
 class Context:
-    """A llama.cpp context (llama_context *) over a Model, with an optional eval callback."""
+    """A llama.cpp context (llama_context *) over a Model, with an optional eval callback.
+
+    ``n_ctx`` is the number of positions a sequence may use (the user's ``--n-ctx``); ``reserve``
+    more KV cells are allocated for rows that are not positions of the text: the speculative
+    engine's drafted lanes, verified tree rows, rejected rows it parks and its dummy row. With them,
+    a generation can use every one of its ``n_ctx`` positions. ``n_cells`` is the cache's size as
+    llama.cpp made it (it rounds up to a multiple of 256).
+    """
 
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
                  n_seq_max: int = 1, n_threads: int | None = None, cb_eval: int | None = None,
                  cb_eval_user_data: int | None = None, kv_unified: bool = True, flash_attn: bool | None = None,
-                 kv_type: str = "f16"):
+                 kv_type: str = "f16", reserve: int = 0):
         ll = _llama()
         if n_ctx < 8:
             raise InvalidOptionError(f"--n-ctx: {n_ctx} is too small (at least 8)")
         if n_threads is not None and n_threads < 1:
             raise InvalidOptionError(f"--threads: {n_threads} is not a positive integer")
+        if reserve < 0:
+            raise InvalidOptionError(f"reserve: {reserve} is negative")
+        # llama.cpp caps the batch at the cache size and aborts the process (an assertion) when a
+        # context has more sequences than batch rows: refuse that here, as an error
+        if n_seq_max > min(n_ctx + reserve, n_batch):
+            raise InvalidOptionError(f"a context of {n_ctx} positions (+{reserve} reserved cells) and n_batch "
+                                     f"{n_batch} cannot hold {n_seq_max} sequences")
         self.model = model
         p = ll.llama_context_default_params()
-        p.n_ctx = int(n_ctx)
+        p.n_ctx = int(n_ctx + reserve)
         p.n_batch = int(n_batch)
         p.n_ubatch = int(n_ubatch or n_batch)
         p.n_seq_max = int(n_seq_max)
@@ -157,7 +171,8 @@ class Context:
         if not self.ptr:
             raise NativeError(f"{model.path}: llama.cpp could not create a context (n_ctx={n_ctx})")
         # llama.cpp may round the cache up (to 256 cells); the limit users asked for is what counts
-        self.n_ctx = min(int(n_ctx), int(ll.llama_n_ctx(self.ptr)))
+        self.n_cells = int(ll.llama_n_ctx(self.ptr))
+        self.n_ctx = min(int(n_ctx), self.n_cells - reserve)
         self.n_batch = int(ll.llama_n_batch(self.ptr))
         self.n_seq_max = int(ll.llama_n_seq_max(self.ptr))
         self.n_threads = threads

@@ -6,6 +6,7 @@ is the native residual context. With the residual enabled the context computes t
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 from pathlib import Path
@@ -29,18 +30,21 @@ class SplitModel:
                  n_ubatch: int | None = None, n_seq_max: int = 1, n_threads: int | None = None,
                  n_gpu_layers: int = 0, precision: str = "auto", verbose: bool = False,
                  check_fingerprint: bool = True, flash_attn: bool | None = None, kv_type: str = "f16",
-                 fast_drafter: bool | None = None):
+                 fast_drafter: bool | None = None, reserve: int | None = None):
         self.dir = Path(model_dir)
         self._lock = threading.Lock()
+        # KV cells beyond the n_ctx positions (see Context): by default one per sequence, which holds
+        # the rows a tree that fits the sequences puts in the cache besides the text's positions
+        if reserve is None:
+            reserve = n_seq_max if n_seq_max > 1 else 0
+        self._ctx_kw = {"n_threads": n_threads, "flash_attn": flash_attn, "kv_type": kv_type}
         self.residual = Residual(model_dir, check_fingerprint=check_fingerprint)
         try:
             self.residual.set_precision(precision)
             self.model = Model(self.residual.base_path, n_gpu_layers=n_gpu_layers, verbose=verbose)
             try:
-                self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
-                                   n_threads=n_threads, cb_eval=native.callback_address(),
-                                   cb_eval_user_data=self.residual.address, flash_attn=flash_attn,
-                                   kv_type=kv_type)
+                self.ctx = self._context(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
+                                         reserve=reserve)
             except BaseException:
                 self.model.close()
                 raise
@@ -62,6 +66,24 @@ class SplitModel:
         except BaseException:
             self.residual.close()
             raise
+
+    def _context(self, **kw) -> Context:
+        """A llama.cpp context over this model whose eval callback is this residual."""
+        return Context(self.model, cb_eval=native.callback_address(), cb_eval_user_data=self.residual.address,
+                       **self._ctx_kw, **kw)
+
+    @contextlib.contextmanager
+    def own_context(self, *, n_ctx: int, n_batch: int, n_seq_max: int, reserve: int | None = None):
+        """Context manager: a view of this split model (the same weights, residual and lock) with a
+        llama.cpp context of its own, freed on exit; this model's context and cache are untouched.
+        For measurements that must not depend on, or disturb, the user's context."""
+        view = copy.copy(self)  # shares model, residual, lock and settings; never closed itself
+        view.ctx = self._context(n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
+                                 reserve=n_seq_max if reserve is None else reserve)
+        try:
+            yield view
+        finally:
+            view.ctx.close()
 
     def close(self) -> None:
         for name in ("ctx", "model", "residual"):

@@ -7,6 +7,10 @@ Two measurements, cached per model (base fingerprint), machine (CPU model, threa
 - acceptance: over a short calibration run (greedy, built-in code and English prompts, a wide
   tree), how often the verifier's token is the drafter's best, second, third, fourth candidate.
 
+Both are measured in a llama.cpp context of the calibration's own (:data:`CALIBRATION_N_CTX`
+positions, freed after): the profile does not depend on the user's ``--n-ctx``, any size works,
+and the user's cache is not touched.
+
 Each candidate shape is then grown exactly as the engine grows trees, with those rank
 probabilities standing in for the drafter's, which gives its expected tokens per cycle
 (1 + the sum over nodes of the probability of reaching and accepting them) and its cost per cycle
@@ -25,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape
+from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape, n_seq_max_for
 from .tree import ROOT, TreeBuilder
 
 PROFILE_VERSION = 1
@@ -37,6 +41,11 @@ CALIBRATION_PROMPTS = (
     "The water cycle describes how water",
     "A good way to learn a new language is",
 )
+CALIBRATION_SHAPE = TreeShape(12, 4, 3)  # the wide tree whose acceptance is counted
+CALIBRATION_TOKENS = 40                  # tokens generated per calibration prompt
+# positions of the calibration's own context: with the cells its tree reserves, 256 KV cells
+# (llama.cpp's rounding); prefixes and prompts are cut to fit, so no model is too verbose for it
+CALIBRATION_N_CTX = 256 - n_seq_max_for(CALIBRATION_SHAPE)
 
 
 @dataclass
@@ -140,11 +149,18 @@ def choose(prof: Profile, max_nodes: int = 24) -> tuple[TreeShape, float, list[t
 
 def measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Callable[[int], bool] | None = None,
             log: Callable[[str], None] | None = None) -> Profile:
-    """Measure the cost curves and the acceptance profile of an engine's model on this machine
-    (through the engine's measurement API; its cache is cleared)."""
-    say = log or (lambda s: None)
-    engine.reset()
-    engine.prefill(tokenize(CALIBRATION_PROMPTS[0] * 4), Stats())
+    """Measure the cost curves and the acceptance profile of an engine's model on this machine,
+    through the engine's measurement API, in a context of the calibration's own (the engine's
+    context, whatever its size, and its cache are left as they are)."""
+    with engine.own_context(CALIBRATION_N_CTX, CALIBRATION_SHAPE) as cal:
+        return _measure(cal, tokenize, is_stop, log or (lambda s: None))
+
+
+def _measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Callable[[int], bool] | None,
+             say: Callable[[str], None]) -> Profile:
+    n_ctx = engine.ctx.n_ctx
+    prefix = tokenize(CALIBRATION_PROMPTS[0] * 4)[:n_ctx - max(VERIFY_BATCHES + DRAFT_BATCHES) - 1]
+    engine.prefill(prefix, Stats())
     verify_ms = {}
     for rows in VERIFY_BATCHES:
         with engine.decode_kernel(rows):  # each size with the kernel family a generation of that size uses
@@ -154,8 +170,9 @@ def measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Calla
     draft_ms = {b: engine.time_pass(b, verify=False) for b in DRAFT_BATCHES}
     say("measured pass times: verify " + ", ".join(f"{k}:{v:.0f}" for k, v in verify_ms.items())
         + " ms; draft " + ", ".join(f"{k}:{v:.0f}" for k, v in draft_ms.items()) + " ms")
-    # acceptance: a wide tree over the calibration prompts
-    counts = engine.rank_profile([tokenize(p) for p in CALIBRATION_PROMPTS], 40, TreeShape(12, 4, 3), is_stop)
+    # acceptance: a wide tree over the calibration prompts (each cut to leave room for its tokens)
+    prompts = [tokenize(p)[:n_ctx - CALIBRATION_TOKENS - 1] for p in CALIBRATION_PROMPTS]
+    counts = engine.rank_profile(prompts, CALIBRATION_TOKENS, CALIBRATION_SHAPE, is_stop)
     total = max(1, sum(counts))
     rank_probs = [c / total for c in counts[:CANDIDATES_PER_NODE]]
     say("acceptance by drafter rank: " + ", ".join(f"{100 * p:.0f}%" for p in rank_probs))

@@ -298,6 +298,16 @@ class Engine:
         finally:
             res.set_kernel(saved)
 
+    @contextlib.contextmanager
+    def own_context(self, n_ctx: int, shape: TreeShape, n_batch: int = 64):
+        """Context manager: an engine over the same split model (weights, residual, kernel settings)
+        in a llama.cpp context of its own with ``n_ctx`` positions, for trees of ``shape``, freed
+        on exit. Measurements made through it need nothing of this engine's context: not its size,
+        not its cache (left as it is)."""
+        n_seq = n_seq_max_for(shape)
+        with self.sm.own_context(n_ctx=n_ctx, n_batch=max(n_batch, shape.nodes + 1, n_seq), n_seq_max=n_seq) as view:
+            yield Engine(view, shape)
+
     def rank_profile(self, prompts: Sequence[Sequence[int]], max_tokens: int, shape: TreeShape,
                      is_stop: Callable[[int], bool] | None = None) -> list[int]:
         """Greedy generations of ``prompts`` with trees of ``shape`` (an engine of its own over the same
@@ -466,12 +476,14 @@ class Engine:
                 return
             n_ctx = self.ctx.n_ctx
             spec = speculative and self.shape.nodes > 0
-            cycle_cells = max(self.shape.nodes + 1, self.shape.width * self.shape.rounds + 1) if spec else 1
+            # cells one cycle takes beyond the cached text: the drafted lanes or the verified rows (a
+            # plain step: its token and the dummy row); the context reserves them beyond n_ctx
+            cycle_cells = max_lanes(self.shape) if spec else 2
             while stats.n_emitted < max_tokens:
-                room = n_ctx - self.n_past - 1  # cells left after the root
+                room = n_ctx - self.n_past - 1  # positions left after the root
                 if room < 0:
                     return  # the context is full: stop cleanly
-                if self.n_past + self._n_junk + cycle_cells > n_ctx:
+                if self.n_past + self._n_junk + cycle_cells > self.ctx.n_cells:
                     self._flush_junk()
                 nodes = min(self.shape.nodes, room, max_tokens - stats.n_emitted - 1) if spec else 0
                 if nodes > 0:
