@@ -1,7 +1,9 @@
-/* Internal declarations shared by bitsplit.c and the kernels; not part of the API. */
+/* Internal declarations shared by the library's files (bitsplit.c, loader.c, pool.c, hook.c) and the
+ * kernels; not part of the API. */
 #ifndef BS_INTERNAL_H
 #define BS_INTERNAL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -92,6 +94,82 @@ void * bs_scratch_get(bs_scratch * s, size_t size);
 void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k);
 bool bs_type_readable(enum ggml_type type);
 uint64_t bs_now_ns(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * the library's state and the helpers its files share
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct bs_pool bs_pool;
+
+struct bitsplit_ctx {
+    int fd_res, fd_base;
+    void * map_res;
+    size_t map_res_size;
+    void * map_base;
+    size_t map_base_size;
+
+    bs_entry * entries;
+    int64_t n_entries;
+    int64_t * table; /* open addressing: name hash -> entry index, -1 empty */
+    int64_t table_size;
+
+    atomic_bool enabled;
+    atomic_bool draft_fast;
+    int precision;
+    int mode;
+    bool replace_ok; /* custom-op layout check passed */
+    /* A family pinned for decode passes (<= BS_DECODE_COLS columns) by bitsplit_ctx_set_kernel /
+     * choose_kernel, so that every pass of a generation runs the same arithmetic; with pin_all
+     * (BITSPLIT_KERNEL) it serves every batch. NULL: the kernel policy decides per product. */
+    const bs_kernel_family * pinned;
+    bool pin_all;
+
+    /* shared by the threads of one product (nodes run one after another) */
+    void * acts;
+    size_t acts_size;
+    void * gather; /* MUL_MAT_ID: gathered columns and results */
+    size_t gather_size;
+    bs_scratch scratch[BS_MAX_THREADS];
+    atomic_int bar_count;
+    atomic_int bar_gen;
+
+    /* add mode and bitsplit_ctx_matmul */
+    int n_threads;
+    bs_pool * pool;
+    bs_scratch host_x, host_y, host_d;
+
+    /* counters (updated by thread 0 of a product) */
+    atomic_uint_fast64_t c_products, c_add, c_rows, c_cols, c_bres, c_bbase, c_ns, c_err, c_draft, c_ns_draft;
+
+    pthread_mutex_t err_lock;
+    int err_status;
+    char err_msg[512];
+};
+
+/* loader.c: the residual entry of this name, or NULL */
+const bs_entry * bs_find_entry(const struct bitsplit_ctx * ctx, const char * name);
+
+/* bitsplit.c: count an error and keep the first one's status and message for
+ * bitsplit_ctx_take_error */
+void bs_record_error(struct bitsplit_ctx * ctx, int status, const char * fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* pool.c: running a product on threads */
+void bs_pool_free(bs_pool * pool);
+/* grow *buf (64-byte aligned) to hold need bytes; false when out of memory */
+bool bs_ensure(void ** buf, size_t * cap, size_t need);
+/* all nth threads of one product meet here */
+void bs_barrier(struct bitsplit_ctx * ctx, int nth);
+int bs_resolve_precision(const struct bitsplit_ctx * ctx, enum ggml_type base, enum ggml_type res);
+size_t bs_job_acts_size(const struct bitsplit_ctx * ctx, const bs_job * job);
+void bs_run_job(struct bitsplit_ctx * ctx, const bs_job * job, int ith, int nth);
+void bs_count_job(struct bitsplit_ctx * ctx, const bs_job * job, uint64_t t0, bool add);
+void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t row0, int64_t N);
+/* a whole product on the library's own pool (add mode, bitsplit_ctx_matmul) */
+int bs_run_on_pool(struct bitsplit_ctx * ctx, bs_job * job);
+
+/* hook.c: whether ggml's private custom-op parameters have the layout this library writes */
+bool bs_custom_layout_ok(void);
 
 /* Q3_K's sixteen 6-bit scales, packed in 12 bytes, as signed bytes still offset by 32 */
 static inline void bs_q3k_scales(const uint8_t * s12, int8_t out[16]) {

@@ -1,0 +1,474 @@
+/*
+ * The eval callback. It is asked (ask=true) about every graph node before it is computed. For a
+ * weight product of the base that has a residual and lives in host memory, it turns the node into
+ * a ggml custom op whose function computes (W2 + R) . x (ggml then runs it on its own thread pool,
+ * with no extra synchronisation); the original op is kept in the node's op_params and restored the
+ * next time the node is seen with the callback disabled (llama.cpp reuses graphs). A node in a
+ * device buffer is observed instead (ask returns true) and corrected afterwards (add mode). With
+ * the residual off and the fast drafter on, base products of CPU nodes become custom ops too.
+ */
+#define _GNU_SOURCE
+#include "bitsplit.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "bs_internal.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+
+/* ggml-impl.h's struct ggml_custom_op_params (private to ggml; checked at load, see
+ * bs_custom_layout_ok) */
+struct bs_custom_params {
+    ggml_custom_op_t fun;
+    int n_tasks;
+    void * userdata;
+};
+
+#define BS_MAGIC 0x4c505342 /* "BSPL": marks a node this library turned into a custom op */
+#define BS_STASH_MAGIC 8    /* op_params[8]: magic, [9]: original op, bytes 40..63: original params */
+#define BS_STASH_OP 9
+#define BS_STASH_BYTES 40
+
+/* ---------------------------------------------------------------------------------------------
+ * custom ops (replace mode: ggml's CPU threads call these with ith/nth)
+ * ------------------------------------------------------------------------------------------- */
+
+static const uint8_t * base_rows(const bs_entry * e, const struct ggml_tensor * w) {
+    /* llama.cpp's own copy when it is plain host memory in ggml's layout (mmap of the same file:
+     * shared pages); otherwise (repacked or device weights) this library's map of base.gguf */
+    if (w->data != NULL && w->buffer != NULL && ggml_backend_buffer_is_host(w->buffer) && w->extra == NULL) {
+        return (const uint8_t *)w->data;
+    }
+    return e->base_data;
+}
+
+/* (W2 + R) . x, or W2 . x alone for the fast drafter (the residual is off) */
+static void mul_mat(struct ggml_tensor * dst, int ith, int nth, const bs_entry * e, bool base_only) {
+    bitsplit_ctx * ctx = e->ctx;
+    const struct ggml_tensor * w = dst->src[0];
+    const struct ggml_tensor * x = dst->src[1];
+    const uint64_t t0 = ith == 0 ? bs_now_ns() : 0;
+    bs_job job;
+    bs_fill_job(&job, e, base_rows(e, w), 0, e->ne[1]);
+    if (base_only) {
+        job.r = NULL;
+    }
+    job.x = (const float *)x->data;
+    job.ldx = e->ne[0];
+    job.n_cols = ggml_nrows(x);
+    job.y = (float *)dst->data;
+    job.ldy = e->ne[1];
+    job.precision = bs_resolve_precision(ctx, e->base_type, base_only ? e->base_type : e->res_type);
+    job.acts = ctx->acts;
+    bs_run_job(ctx, &job, ith, nth);
+    if (ith != 0) {
+        return;
+    }
+    if (base_only) {
+        atomic_fetch_add(&ctx->c_draft, 1);
+        atomic_fetch_add(&ctx->c_ns_draft, bs_now_ns() - t0);
+    } else {
+        bs_count_job(ctx, &job, t0, false);
+    }
+}
+
+static void op_mul_mat(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    mul_mat(dst, ith, nth, userdata, false);
+}
+
+static void op_mul_mat_base(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    mul_mat(dst, ith, nth, userdata, true);
+}
+
+static void op_get_rows(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const bs_entry * e = userdata;
+    bitsplit_ctx * ctx = e->ctx;
+    const struct ggml_tensor * w = dst->src[0];
+    const struct ggml_tensor * ids = dst->src[1];
+    const uint8_t * w2 = base_rows(e, w);
+    const int64_t K = e->ne[0];
+    const int64_t n = ggml_nelements(ids);
+    const int32_t * id = (const int32_t *)ids->data;
+    if (nth > BS_MAX_THREADS) {
+        nth = BS_MAX_THREADS;
+        if (ith >= nth) {
+            return;
+        }
+    }
+    float * tmp = bs_scratch_get(&ctx->scratch[ith], (size_t)K * sizeof(float));
+    if (tmp == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory in the embedding lookup of '%s'", e->name);
+        return;
+    }
+    for (int64_t i = n * ith / nth; i < n * (ith + 1) / nth; i++) {
+        float * out = (float *)((char *)dst->data + i * dst->nb[1]);
+        const int64_t row = id[i];
+        if (row < 0 || row >= e->n_rows) {
+            bs_record_error(ctx, BITSPLIT_E_INVALID, "token id %lld out of range for '%s' (%lld rows)", (long long)row,
+                         e->name, (long long)e->n_rows);
+            memset(out, 0, (size_t)K * sizeof(float));
+            continue;
+        }
+        bs_dequant_row(e->base_type, w2 + (size_t)row * e->base_row_bytes, out, K);
+        bs_dequant_row(e->res_type, e->res_data + (size_t)row * e->res_row_bytes, tmp, K);
+        for (int64_t k = 0; k < K; k++) {
+            out[k] += tmp[k];
+        }
+    }
+    if (ith == 0) {
+        atomic_fetch_add(&ctx->c_rows, 1);
+    }
+}
+
+/* MUL_MAT_ID: dst[:, i, t] = (W2_e + R_e) . x[:, i % ne11, t] with e = ids[i, t]; experts one by one,
+ * each with the columns that chose it gathered, so a weight block is unpacked once per expert. */
+static void op_mul_mat_id(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const bs_entry * e = userdata;
+    bitsplit_ctx * ctx = e->ctx;
+    const struct ggml_tensor * w = dst->src[0];
+    const struct ggml_tensor * x = dst->src[1];
+    const struct ggml_tensor * ids = dst->src[2];
+    const uint64_t t0 = ith == 0 ? bs_now_ns() : 0;
+    const int64_t K = e->ne[0], N = e->ne[1], n_exp = e->ne[2];
+    const int64_t n_used = ids->ne[0], n_tok = ids->ne[1];
+    const int64_t n_pairs = n_used * n_tok;
+    /* shared gather buffer layout: [pairs: int64 slot list][x columns K*pairs][y columns N*pairs] */
+    int64_t * list = ctx->gather;
+    float * xg = (float *)(list + n_pairs);
+    float * yg = xg + (size_t)K * (size_t)n_pairs;
+    const uint8_t * w2all = base_rows(e, w);
+    for (int64_t ex = 0; ex < n_exp; ex++) {
+        int64_t m = 0;
+        for (int64_t t = 0; t < n_tok; t++) {
+            for (int64_t i = 0; i < n_used; i++) {
+                const int32_t id = *(const int32_t *)((const char *)ids->data + i * ids->nb[0] + t * ids->nb[1]);
+                if (id == ex) {
+                    if (ith == 0) {
+                        list[m] = t * n_used + i;
+                    }
+                    m++;
+                }
+            }
+        }
+        if (m == 0) {
+            continue;
+        }
+        bs_barrier(ctx, nth); /* list written */
+        for (int64_t j = (int64_t)m * ith / nth; j < (int64_t)m * (ith + 1) / nth; j++) {
+            const int64_t t = list[j] / n_used, i = list[j] % n_used;
+            const float * src = (const float *)((const char *)x->data + (i % x->ne[1]) * x->nb[1] + t * x->nb[2]);
+            memcpy(xg + (size_t)j * K, src, (size_t)K * sizeof(float));
+        }
+        bs_barrier(ctx, nth); /* columns gathered */
+        bs_job job;
+        bs_fill_job(&job, e, w2all + (size_t)(ex * N) * e->base_row_bytes, ex * N, N);
+        job.x = xg;
+        job.ldx = K;
+        job.n_cols = m;
+        job.y = yg;
+        job.ldy = N;
+        job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+        job.acts = ctx->acts;
+        bs_run_job(ctx, &job, ith, nth);
+        bs_barrier(ctx, nth); /* results complete */
+        for (int64_t j = (int64_t)m * ith / nth; j < (int64_t)m * (ith + 1) / nth; j++) {
+            const int64_t t = list[j] / n_used, i = list[j] % n_used;
+            memcpy((char *)dst->data + i * dst->nb[1] + t * dst->nb[2], yg + (size_t)j * N, (size_t)N * sizeof(float));
+        }
+        bs_barrier(ctx, nth); /* list and buffers free for the next expert */
+    }
+    if (ith == 0) {
+        atomic_fetch_add(&ctx->c_products, 1);
+        atomic_fetch_add(&ctx->c_cols, (uint64_t)n_pairs);
+        atomic_fetch_add(&ctx->c_ns, bs_now_ns() - t0);
+    }
+}
+
+/* ggml keeps struct ggml_custom_op_params private: check our copy against a real custom node */
+static void dummy_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void)dst;
+    (void)ith;
+    (void)nth;
+    (void)userdata;
+}
+
+bool bs_custom_layout_ok(void) {
+    static int cached = -1;
+    if (cached >= 0) {
+        return cached == 1;
+    }
+    struct ggml_init_params ip = {.mem_size = 16 * 1024, .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_context * g = ggml_init(ip);
+    bool ok = false;
+    if (g != NULL) {
+        struct ggml_tensor * a = ggml_new_tensor_1d(g, GGML_TYPE_F32, 4);
+        struct ggml_tensor * args[1] = {a};
+        void * marker = (void *)(uintptr_t)0x5eed5eedu;
+        struct ggml_tensor * t = ggml_custom_4d(g, GGML_TYPE_F32, 4, 1, 1, 1, args, 1, dummy_op, 7, marker);
+        struct bs_custom_params p;
+        memcpy(&p, t->op_params, sizeof(p));
+        ok = t->op == GGML_OP_CUSTOM && p.fun == dummy_op && p.n_tasks == 7 && p.userdata == marker &&
+             t->src[0] == a;
+        ggml_free(g);
+    }
+    cached = ok ? 1 : 0;
+    return ok;
+}
+
+static bool is_ours(const struct ggml_tensor * t) {
+    return t->op == GGML_OP_CUSTOM && t->op_params[BS_STASH_MAGIC] == BS_MAGIC;
+}
+
+static void mutate(struct ggml_tensor * t, ggml_custom_op_t fn, const bs_entry * e) {
+    char * raw = (char *)t->op_params;
+    memcpy(raw + BS_STASH_BYTES, raw, sizeof(struct bs_custom_params));
+    t->op_params[BS_STASH_OP] = (int32_t)t->op;
+    t->op_params[BS_STASH_MAGIC] = BS_MAGIC;
+    struct bs_custom_params p = {fn, GGML_N_TASKS_MAX, (void *)e};
+    memcpy(raw, &p, sizeof(p));
+    t->op = GGML_OP_CUSTOM;
+}
+
+static void restore(struct ggml_tensor * t) {
+    char * raw = (char *)t->op_params;
+    const int32_t op = t->op_params[BS_STASH_OP];
+    memcpy(raw, raw + BS_STASH_BYTES, sizeof(struct bs_custom_params));
+    memset(raw + BS_STASH_MAGIC * 4, 0, GGML_MAX_OP_PARAMS - BS_STASH_MAGIC * 4);
+    t->op = (enum ggml_op)op;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * the callback
+ * ------------------------------------------------------------------------------------------- */
+
+static bool host(const struct ggml_tensor * t) {
+    return t->buffer != NULL && ggml_backend_buffer_is_host(t->buffer) && t->data != NULL;
+}
+
+/* The residual entry for the weight of node t, after checking the graph's weight against it. */
+static const bs_entry * entry_for(bitsplit_ctx * ctx, const struct ggml_tensor * t) {
+    const struct ggml_tensor * w = t->src[0];
+    if (w == NULL || w->name[0] == '\0') {
+        return NULL;
+    }
+    const bs_entry * e = bs_find_entry(ctx, w->name);
+    if (e == NULL) {
+        return NULL;
+    }
+    if (w->type != e->base_type || w->ne[0] != e->ne[0] || w->ne[1] != e->ne[1] || w->ne[2] != e->ne[2] ||
+        w->ne[3] != e->ne[3]) {
+        bs_record_error(ctx, BITSPLIT_E_MISMATCH,
+                     "weight '%s' in the graph is %s %lldx%lldx%lld but the residual was made for %s %lldx%lldx%lld",
+                     w->name, ggml_type_name(w->type), (long long)w->ne[0], (long long)w->ne[1], (long long)w->ne[2],
+                     ggml_type_name(e->base_type), (long long)e->ne[0], (long long)e->ne[1], (long long)e->ne[2]);
+        return NULL;
+    }
+    return e;
+}
+
+static bool plain_f32_matrix(const struct ggml_tensor * t) {
+    return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
+}
+
+/* ask == true for a hooked node: decide replace (mutate, return false) or add (return true) */
+static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
+    const enum ggml_op op = t->op;
+    const bs_entry * e = entry_for(ctx, t);
+    if (e == NULL) {
+        return false;
+    }
+    const struct ggml_tensor * x = t->src[1];
+    const bool cpu = host(t) && x != NULL && host(x);
+    if (op == GGML_OP_GET_ROWS) {
+        if (!cpu || ctx->mode == BITSPLIT_MODE_ADD || x->type != GGML_TYPE_I32 || !ggml_is_contiguous(x) ||
+            t->type != GGML_TYPE_F32 || t->ne[0] != e->ne[0] || e->ne[2] != 1 || e->ne[3] != 1 || !ctx->replace_ok) {
+            return true; /* add mode: observe, correct after the node is computed */
+        }
+        mutate(t, op_get_rows, e);
+        return false;
+    }
+    if (op == GGML_OP_MUL_MAT) {
+        const bool shapes = e->ne[2] == 1 && e->ne[3] == 1 && plain_f32_matrix(x) && plain_f32_matrix(t) &&
+                            x->ne[0] == e->ne[0] && t->ne[0] == e->ne[1];
+        if (cpu && shapes && ctx->replace_ok && ctx->mode != BITSPLIT_MODE_ADD) {
+            bs_job job;
+            bs_fill_job(&job, e, NULL, 0, e->ne[1]);
+            job.w2 = e->base_data;
+            job.n_cols = ggml_nrows(x);
+            job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+            if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64)) {
+                bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the product of '%s'", e->name);
+                return false;
+            }
+            mutate(t, op_mul_mat, e);
+            return false;
+        }
+        return true; /* add mode: observe, correct after the node is computed */
+    }
+    if (op == GGML_OP_MUL_MAT_ID) {
+        const struct ggml_tensor * ids = t->src[2];
+        if (cpu && ids != NULL && host(ids) && ids->type == GGML_TYPE_I32 && x->type == GGML_TYPE_F32 &&
+            t->type == GGML_TYPE_F32 && x->ne[0] == e->ne[0] && t->ne[0] == e->ne[1] && ctx->replace_ok &&
+            x->nb[0] == sizeof(float) && t->nb[0] == sizeof(float) && e->ne[3] == 1) {
+            const int64_t pairs = ids->ne[0] * ids->ne[1];
+            bs_job job;
+            bs_fill_job(&job, e, e->base_data, 0, e->ne[1]);
+            job.n_cols = pairs;
+            job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+            const size_t g = (size_t)pairs * (sizeof(int64_t) + (size_t)(e->ne[0] + e->ne[1]) * sizeof(float));
+            if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64) ||
+                !bs_ensure(&ctx->gather, &ctx->gather_size, g + 64)) {
+                bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the experts of '%s'", e->name);
+                return false;
+            }
+            mutate(t, op_mul_mat_id, e);
+            return false;
+        }
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "expert weights '%s' outside host memory are not supported yet",
+                     e->name);
+        return false;
+    }
+    return false;
+}
+
+/* ask == true with the residual off and the fast drafter on: base products of CPU nodes here */
+static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
+    const bs_entry * e = entry_for(ctx, t);
+    const struct ggml_tensor * x = t->src[1];
+    if (e == NULL || x == NULL || !host(t) || !host(x) || !ctx->replace_ok || e->ne[2] != 1 || e->ne[3] != 1 ||
+        !plain_f32_matrix(x) || !plain_f32_matrix(t) || x->ne[0] != e->ne[0] || t->ne[0] != e->ne[1]) {
+        return false;
+    }
+    bs_job job;
+    bs_fill_job(&job, e, e->base_data, 0, e->ne[1]);
+    job.r = NULL;
+    job.n_cols = ggml_nrows(x);
+    job.precision = bs_resolve_precision(ctx, e->base_type, e->base_type);
+    if (bs_draft_policy(&job) == NULL) {
+        return false; /* ggml's own kernel is as fast or faster here */
+    }
+    if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64)) {
+        return false; /* out of memory: ggml's own kernel will do */
+    }
+    mutate(t, op_mul_mat_base, e);
+    return false;
+}
+
+/* ask == false for an observed node: add R . x (the node holds W2 . x, possibly on a device) */
+static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
+    const bs_entry * e = entry_for(ctx, t);
+    if (e == NULL) {
+        return true;
+    }
+    const uint64_t t0 = bs_now_ns();
+    const struct ggml_tensor * x = t->src[1];
+    if (t->op == GGML_OP_GET_ROWS) {
+        if (x->type != GGML_TYPE_I32 || !ggml_is_contiguous(x) || t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t)) {
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "embedding lookup of '%s' has an unsupported layout", e->name);
+            return true;
+        }
+        const int64_t n = ggml_nelements(x), K = e->ne[0];
+        int32_t * ids = bs_scratch_get(&ctx->host_x, (size_t)n * sizeof(int32_t));
+        float * rows = bs_scratch_get(&ctx->host_y, (size_t)(n * K) * sizeof(float));
+        float * tmp = bs_scratch_get(&ctx->host_d, (size_t)(n * K) * sizeof(float));
+        if (ids == NULL || rows == NULL || tmp == NULL) {
+            bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
+            return true;
+        }
+        ggml_backend_tensor_get(x, ids, 0, (size_t)n * sizeof(int32_t));
+        ggml_backend_tensor_get(t, rows, 0, (size_t)(n * K) * sizeof(float));
+        for (int64_t i = 0; i < n; i++) {
+            if (ids[i] < 0 || ids[i] >= e->n_rows) {
+                bs_record_error(ctx, BITSPLIT_E_INVALID, "token id %d out of range for '%s'", ids[i], e->name);
+                return true;
+            }
+            bs_dequant_row(e->res_type, e->res_data + (size_t)ids[i] * e->res_row_bytes, tmp + i * K, K);
+            for (int64_t k = 0; k < K; k++) {
+                rows[i * K + k] += tmp[i * K + k];
+            }
+        }
+        ggml_backend_tensor_set(t, rows, 0, (size_t)(n * K) * sizeof(float));
+        atomic_fetch_add(&ctx->c_rows, 1);
+        return true;
+    }
+    if (t->op != GGML_OP_MUL_MAT || !plain_f32_matrix(x) || !plain_f32_matrix(t) || e->ne[2] != 1 ||
+        x->ne[0] != e->ne[0] || t->ne[0] != e->ne[1]) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "product with '%s' has an unsupported layout for add mode", e->name);
+        return true;
+    }
+    const int64_t n_cols = ggml_nrows(x), K = e->ne[0], N = e->ne[1];
+    const float * xs = NULL;
+    float * ys = NULL;
+    float * delta = bs_scratch_get(&ctx->host_d, (size_t)(n_cols * N) * sizeof(float));
+    if (host(x)) {
+        xs = x->data;
+    } else {
+        float * buf = bs_scratch_get(&ctx->host_x, (size_t)(n_cols * K) * sizeof(float));
+        if (buf != NULL) {
+            ggml_backend_tensor_get(x, buf, 0, (size_t)(n_cols * K) * sizeof(float));
+        }
+        xs = buf;
+    }
+    if (host(t)) {
+        ys = t->data;
+    } else {
+        ys = bs_scratch_get(&ctx->host_y, (size_t)(n_cols * N) * sizeof(float));
+    }
+    if (xs == NULL || ys == NULL || delta == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
+        return true;
+    }
+    bs_job job;
+    bs_fill_job(&job, e, NULL, 0, N);
+    job.x = xs;
+    job.ldx = K;
+    job.n_cols = n_cols;
+    job.y = delta;
+    job.ldy = N;
+    job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+    if (bs_run_on_pool(ctx, &job) != BITSPLIT_OK) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
+        return true;
+    }
+    if (!host(t)) {
+        ggml_backend_tensor_get(t, ys, 0, (size_t)(n_cols * N) * sizeof(float));
+    }
+    for (int64_t i = 0; i < n_cols * N; i++) {
+        ys[i] += delta[i];
+    }
+    if (!host(t)) {
+        ggml_backend_tensor_set(t, ys, 0, (size_t)(n_cols * N) * sizeof(float));
+    }
+    bs_count_job(ctx, &job, t0, true);
+    return true;
+}
+
+bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) {
+    bitsplit_ctx * ctx = user_data;
+    if (ctx == NULL || t == NULL) {
+        return ask ? false : true;
+    }
+    if (ask) {
+        if (is_ours(t)) {
+            /* a graph reused from an earlier pass still carries our op: give the node back its own,
+             * then decide afresh (the callback may have been switched off since) */
+            restore(t);
+        }
+        if (!atomic_load_explicit(&ctx->enabled, memory_order_relaxed)) {
+            if (t->op == GGML_OP_MUL_MAT && atomic_load_explicit(&ctx->draft_fast, memory_order_relaxed)) {
+                return ask_draft(ctx, t);
+            }
+            return false;
+        }
+        if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_GET_ROWS || t->op == GGML_OP_MUL_MAT_ID) {
+            return ask_node(ctx, t);
+        }
+        return false;
+    }
+    /* returning false would abort the graph: always continue */
+    if (atomic_load_explicit(&ctx->enabled, memory_order_relaxed) && !is_ours(t)) {
+        add_residual(ctx, t);
+    }
+    return true;
+}

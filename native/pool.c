@@ -1,0 +1,275 @@
+/*
+ * Running a product on threads: the thread pool (add mode and bitsplit_ctx_matmul; inside a
+ * graph, ggml's threads are used), the barrier of the threads of one product, the per-thread job
+ * runner (which kernel family, which rows), the shared buffers and the counters of a product.
+ */
+#define _GNU_SOURCE
+#include "bitsplit.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bs_internal.h"
+#include "ggml.h"
+
+/* ---------------------------------------------------------------------------------------------
+ * thread pool (add mode and bitsplit_ctx_matmul; inside a graph, ggml's threads are used)
+ * ------------------------------------------------------------------------------------------- */
+
+typedef void (*bs_task_fn)(void * arg, int ith, int nth);
+
+struct bs_pool {
+    int n;
+    pthread_t * threads;
+    pthread_mutex_t lock;
+    pthread_cond_t cv_work, cv_done;
+    bs_task_fn fn;
+    void * arg;
+    uint64_t generation;
+    int pending;
+    bool stop;
+};
+
+typedef struct {
+    bs_pool * pool;
+    int ith;
+} bs_worker_arg;
+
+static void * pool_worker(void * p) {
+    bs_worker_arg * wa = p;
+    bs_pool * pool = wa->pool;
+    const int ith = wa->ith;
+    free(wa);
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool->lock);
+        while (!pool->stop && pool->generation == seen) {
+            pthread_cond_wait(&pool->cv_work, &pool->lock);
+        }
+        if (pool->stop) {
+            pthread_mutex_unlock(&pool->lock);
+            return NULL;
+        }
+        seen = pool->generation;
+        bs_task_fn fn = pool->fn;
+        void * arg = pool->arg;
+        pthread_mutex_unlock(&pool->lock);
+        fn(arg, ith, pool->n + 1);
+        pthread_mutex_lock(&pool->lock);
+        if (--pool->pending == 0) {
+            pthread_cond_signal(&pool->cv_done);
+        }
+        pthread_mutex_unlock(&pool->lock);
+    }
+}
+
+void bs_pool_free(bs_pool * pool) {
+    if (pool == NULL) {
+        return;
+    }
+    pthread_mutex_lock(&pool->lock);
+    pool->stop = true;
+    pthread_cond_broadcast(&pool->cv_work);
+    pthread_mutex_unlock(&pool->lock);
+    for (int i = 0; i < pool->n; i++) {
+        pthread_join(pool->threads[i], NULL);
+    }
+    free(pool->threads);
+    pthread_mutex_destroy(&pool->lock);
+    pthread_cond_destroy(&pool->cv_work);
+    pthread_cond_destroy(&pool->cv_done);
+    free(pool);
+}
+
+/* a pool of n_threads - 1 workers (the caller is thread 0) */
+static bs_pool * pool_new(int n_threads) {
+    bs_pool * pool = calloc(1, sizeof(*pool));
+    if (pool == NULL) {
+        return NULL;
+    }
+    pthread_mutex_init(&pool->lock, NULL);
+    pthread_cond_init(&pool->cv_work, NULL);
+    pthread_cond_init(&pool->cv_done, NULL);
+    pool->threads = calloc((size_t)(n_threads > 1 ? n_threads - 1 : 1), sizeof(pthread_t));
+    if (pool->threads == NULL) {
+        bs_pool_free(pool);
+        return NULL;
+    }
+    for (int i = 0; i < n_threads - 1; i++) {
+        bs_worker_arg * wa = malloc(sizeof(*wa));
+        if (wa == NULL) {
+            bs_pool_free(pool);
+            return NULL;
+        }
+        wa->pool = pool;
+        wa->ith = i + 1;
+        if (pthread_create(&pool->threads[i], NULL, pool_worker, wa) != 0) {
+            free(wa);
+            bs_pool_free(pool);
+            return NULL;
+        }
+        pool->n++;
+    }
+    return pool;
+}
+
+static void pool_run(bs_pool * pool, bs_task_fn fn, void * arg) {
+    if (pool == NULL || pool->n == 0) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pthread_mutex_lock(&pool->lock);
+    pool->fn = fn;
+    pool->arg = arg;
+    pool->pending = pool->n;
+    pool->generation++;
+    pthread_cond_broadcast(&pool->cv_work);
+    pthread_mutex_unlock(&pool->lock);
+    fn(arg, 0, pool->n + 1);
+    pthread_mutex_lock(&pool->lock);
+    while (pool->pending > 0) {
+        pthread_cond_wait(&pool->cv_done, &pool->lock);
+    }
+    pthread_mutex_unlock(&pool->lock);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * running a product on nth threads
+ * ------------------------------------------------------------------------------------------- */
+
+void bs_barrier(bitsplit_ctx * ctx, int nth) {
+    if (nth <= 1) {
+        return;
+    }
+    const int gen = atomic_load_explicit(&ctx->bar_gen, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&ctx->bar_count, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&ctx->bar_count, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&ctx->bar_gen, 1, memory_order_acq_rel);
+    } else {
+        while (atomic_load_explicit(&ctx->bar_gen, memory_order_acquire) == gen) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#elif defined(__aarch64__)
+            __asm__ volatile("yield");
+#endif
+        }
+    }
+}
+
+/* Which family computes a product: the fast drafter's (base alone) by the draft policy; a
+ * decode pass by the family pinned for this generation; anything else by the kernel policy
+ * (kernels.c), the one place that knows the thresholds. */
+static const bs_kernel_family * family_for(const bitsplit_ctx * ctx, const bs_job * job) {
+    if (job->r == NULL && job->w2 != NULL) { /* the fast drafter: ask_draft took it for this family */
+        const bs_kernel_family * f = bs_draft_policy(job);
+        return f != NULL ? f : bs_generic_family();
+    }
+    if (ctx->pinned != NULL && (ctx->pin_all || job->n_cols <= BS_DECODE_COLS) && ctx->pinned->supports(job)) {
+        return ctx->pinned;
+    }
+    return bs_policy(job->n_cols, job);
+}
+
+int bs_resolve_precision(const bitsplit_ctx * ctx, enum ggml_type base, enum ggml_type res) {
+    if (ctx->precision != BITSPLIT_PREC_AUTO) {
+        return ctx->precision;
+    }
+    const bool flt = base == GGML_TYPE_F32 || base == GGML_TYPE_F16 || base == GGML_TYPE_BF16 ||
+                     res == GGML_TYPE_F32 || res == GGML_TYPE_F16;
+    return flt ? BITSPLIT_PREC_F32 : BITSPLIT_PREC_BF16;
+}
+
+/* bytes of shared buffer a job needs, and the per-thread scratch it will ask for */
+size_t bs_job_acts_size(const bitsplit_ctx * ctx, const bs_job * job) {
+    return family_for(ctx, job)->acts_size(job);
+}
+
+/* The work of thread ith of nth on one product. job->acts must hold bs_job_acts_size bytes. */
+void bs_run_job(bitsplit_ctx * ctx, const bs_job * job, int ith, int nth) {
+    const bs_kernel_family * fam = family_for(ctx, job);
+    if (nth > BS_MAX_THREADS) {
+        nth = BS_MAX_THREADS; /* threads beyond the limit only take part in the barrier */
+    }
+    const bool active = ith < nth;
+    if (fam->acts_size(job) > 0) {
+        if (active) {
+            const int64_t c0 = job->n_cols * ith / nth, c1 = job->n_cols * (ith + 1) / nth;
+            fam->prepare_acts(job, c0, c1);
+        }
+        bs_barrier(ctx, nth);
+    }
+    if (!active) {
+        return;
+    }
+    const int64_t nb = (job->N + BS_ROW_BLOCK - 1) / BS_ROW_BLOCK;
+    const int64_t b0 = nb * ith / nth, b1 = nb * (ith + 1) / nth;
+    const int64_t r0 = b0 * BS_ROW_BLOCK;
+    int64_t r1 = b1 * BS_ROW_BLOCK;
+    if (r1 > job->N) {
+        r1 = job->N;
+    }
+    if (r0 < r1) {
+        fam->rows(job, r0, r1, &ctx->scratch[ith]);
+    }
+}
+
+void bs_count_job(bitsplit_ctx * ctx, const bs_job * job, uint64_t t0, bool add) {
+    atomic_fetch_add(add ? &ctx->c_add : &ctx->c_products, 1);
+    atomic_fetch_add(&ctx->c_cols, (uint64_t)job->n_cols);
+    atomic_fetch_add(&ctx->c_bres, (uint64_t)job->N * job->r_row_bytes);
+    if (job->w2 != NULL) {
+        atomic_fetch_add(&ctx->c_bbase, (uint64_t)job->N * job->w2_row_bytes);
+    }
+    atomic_fetch_add(&ctx->c_ns, bs_now_ns() - t0);
+}
+
+void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t row0, int64_t N) {
+    memset(job, 0, sizeof(*job));
+    job->w2 = w2;
+    job->r = e->res_data + (size_t)row0 * e->res_row_bytes;
+    job->w2_type = e->base_type;
+    job->r_type = e->res_type;
+    job->w2_row_bytes = e->base_row_bytes;
+    job->r_row_bytes = e->res_row_bytes;
+    job->K = e->ne[0];
+    job->N = N;
+}
+
+bool bs_ensure(void ** buf, size_t * cap, size_t need) {
+    if (*cap >= need) {
+        return true;
+    }
+    void * p = NULL;
+    size_t want = (need + 4095) & ~(size_t)4095;
+    if (posix_memalign(&p, 64, want) != 0) {
+        return false;
+    }
+    free(*buf);
+    *buf = p;
+    *cap = want;
+    return true;
+}
+
+typedef struct {
+    bitsplit_ctx * ctx;
+    const bs_job * job;
+} pool_job_arg;
+
+static void pool_job_fn(void * p, int ith, int nth) {
+    pool_job_arg * a = p;
+    bs_run_job(a->ctx, a->job, ith, nth);
+}
+
+int bs_run_on_pool(bitsplit_ctx * ctx, bs_job * job) {
+    if (ctx->pool == NULL && ctx->n_threads > 1) {
+        ctx->pool = pool_new(ctx->n_threads);
+    }
+    if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, job) + 64)) {
+        return BITSPLIT_E_NOMEM;
+    }
+    job->acts = ctx->acts;
+    pool_job_arg a = {ctx, job};
+    pool_run(ctx->pool, pool_job_fn, &a);
+    return BITSPLIT_OK;
+}
