@@ -56,7 +56,7 @@ static bool type_ok(enum ggml_type t) {
 }
 
 static bool int_supports(const bs_job * job) {
-    /* any batch works; which batches it is chosen for is the context's policy (bitsplit.c) */
+    /* any batch works; which batches it is chosen for is the kernel policy (kernels.c) */
     if (job->K % QK != 0 || job->precision == BITSPLIT_PREC_F32) {
         return false;
     }
