@@ -26,21 +26,6 @@ uint64_t bs_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-void * bs_scratch_get(bs_scratch * s, size_t size) {
-    if (s->size >= size) {
-        return s->buf;
-    }
-    size_t want = (size + 4095) & ~(size_t)4095;
-    void * p = NULL;
-    if (posix_memalign(&p, 64, want) != 0) {
-        return NULL;
-    }
-    free(s->buf);
-    s->buf = p;
-    s->size = want;
-    return p;
-}
-
 bool bs_type_readable(enum ggml_type type) {
     if (type == GGML_TYPE_F32) {
         return true;

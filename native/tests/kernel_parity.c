@@ -46,22 +46,6 @@ extern const bs_kernel_family bs_family_neon_f32;
 #define PAD_Y 3  /* ldy = N + PAD_Y */
 #define SENTINEL 1234.5f
 
-/* what kernels.c does: grow by whole pages, 64-byte aligned, keep the old buffer on failure */
-void * bs_scratch_get(bs_scratch * s, size_t size) {
-    if (s->size >= size) {
-        return s->buf;
-    }
-    size_t want = (size + 4095) & ~(size_t)4095;
-    void * p = NULL;
-    if (posix_memalign(&p, 64, want) != 0) {
-        return NULL;
-    }
-    free(s->buf);
-    s->buf = p;
-    s->size = want;
-    return p;
-}
-
 static const char * type_name(uint32_t t) {
     switch (t) {
         case GGML_TYPE_Q2_K: return "Q2_K";

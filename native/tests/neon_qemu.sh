@@ -79,11 +79,11 @@ build() { # build OUTPUT COMPILER FAMILY_FILE [FLAGS...]: a cached binary linked
     local out=$1 cc=$2 fam=$3
     shift 3
     local key
-    key=$( { cat native/tests/kernel_parity.c "$fam" native/bs_internal.h native/bitsplit.h "$INC/ggml.h"
+    key=$( { cat native/tests/kernel_parity.c native/scratch.c "$fam" native/bs_internal.h native/bitsplit.h "$INC/ggml.h"
              "$cc" --version; echo "$* ${FLAGS[*]}"; } | sha256sum | cut -c1-16)
     local bin="$CACHE/$key/$(basename "$out")"
     if [[ ! -x "$bin" || -n "${NEON_QEMU_NO_CACHE:-}" ]]; then
-        "$cc" "${FLAGS[@]}" "$@" native/tests/kernel_parity.c "$fam" -o "$out.tmp" -lm || return 1
+        "$cc" "${FLAGS[@]}" "$@" native/tests/kernel_parity.c native/scratch.c "$fam" -o "$out.tmp" -lm || return 1
         if mkdir -p "$CACHE/$key" 2>/dev/null && cp "$out.tmp" "$bin.$BASHPID" 2>/dev/null; then
             mv -f "$bin.$BASHPID" "$bin"
         else
