@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bitsplit.h"
 #include "ggml.h"
 
 #define BS_MAX_THREADS 64
@@ -170,6 +171,32 @@ int bs_run_on_pool(struct bitsplit_ctx * ctx, bs_job * job);
 
 /* hook.c: whether ggml's private custom-op parameters have the layout this library writes */
 bool bs_custom_layout_ok(void);
+
+/* The jobs the f32 SIMD families (avx2-f32, neon-f32) compute themselves: bases of the types
+ * llama.cpp's Q2_K mix produces (Q2_K..Q6_K on rows of a multiple of 256, Q8_0/Q4_0/Q4_1 on rows
+ * of a multiple of 32) and the quantized residual types (Q6_K, Q8_0). F32 precision, the exact
+ * contract, stays with the generic family (tests compare it bit for bit). */
+static inline bool bs_f32_family_type(enum ggml_type t, int64_t K) {
+    switch (t) {
+        case GGML_TYPE_Q2_K: case GGML_TYPE_Q3_K: case GGML_TYPE_Q4_K: case GGML_TYPE_Q5_K: case GGML_TYPE_Q6_K:
+            return K % 256 == 0;
+        case GGML_TYPE_Q8_0: case GGML_TYPE_Q4_0: case GGML_TYPE_Q4_1:
+            return K % 32 == 0;
+        default:
+            return false;
+    }
+}
+
+static inline bool bs_f32_family_supports(const bs_job * job) {
+    if (job->precision == BITSPLIT_PREC_F32) {
+        return false;
+    }
+    if (job->r != NULL && !((job->r_type == GGML_TYPE_Q6_K || job->r_type == GGML_TYPE_Q8_0) &&
+                            bs_f32_family_type(job->r_type, job->K))) {
+        return false;
+    }
+    return job->w2 == NULL || bs_f32_family_type(job->w2_type, job->K);
+}
 
 /* Q3_K's sixteen 6-bit scales, packed in 12 bytes, as signed bytes still offset by 32 */
 static inline void bs_q3k_scales(const uint8_t * s12, int8_t out[16]) {

@@ -44,28 +44,7 @@ static bool avx2_cpu(void) {
     return cpu_avx2 == 1;
 }
 
-static bool block32_type(enum ggml_type t) {
-    return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
-}
-
-static bool superblock_type(enum ggml_type t) {
-    return t == GGML_TYPE_Q2_K || t == GGML_TYPE_Q3_K || t == GGML_TYPE_Q4_K || t == GGML_TYPE_Q5_K ||
-           t == GGML_TYPE_Q6_K;
-}
-
-static bool type_ok(enum ggml_type t, int64_t K) {
-    return (superblock_type(t) && K % 256 == 0) || (block32_type(t) && K % 32 == 0);
-}
-
-static bool avx2_supports(const bs_job * job) {
-    if (job->precision == BITSPLIT_PREC_F32) {
-        return false; /* the exact f32 contract belongs to the generic family (tests compare bit for bit) */
-    }
-    if (job->r != NULL && job->r_type != GGML_TYPE_Q6_K && job->r_type != GGML_TYPE_Q8_0) {
-        return false;
-    }
-    return (job->r == NULL || type_ok(job->r_type, job->K)) && (job->w2 == NULL || type_ok(job->w2_type, job->K));
-}
+static bool avx2_supports(const bs_job * job) { return bs_f32_family_supports(job); }
 
 static size_t avx2_acts_size(const bs_job * job) {
     (void)job;
