@@ -397,7 +397,8 @@ def doctor(
           f"{', cached' if p['cached'] else ''})")
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
     for col in ("product", "family", "batch", "ms/pass", "GB/s", "GB/s/core", "Gweights/s", "of mem BW"):
-        t.add_column(col, justify="left" if col in ("product", "family") else "right")
+        t.add_column(col, justify="left" if col in ("product", "family") else "right", no_wrap=True,
+                     min_width=len("avx512-bf16*") if col == "family" else None)
     rows = ([("R.x", r) for r in p["residual"]] + [("(W2+R).x", r) for r in p["with_base"]]
             + [("ggml Q6_K", r) for r in p["ggml_reference"]])
     for what, r in rows:

@@ -73,6 +73,9 @@ typedef struct bs_kernel_family {
     /* the fast drafter (base alone, residual off): the smallest batch where this family beats
      * ggml's own kernel, measured; 0: never used for drafting */
     int draft_min_cols;
+    /* the policy prefers this family for products of up to this many columns only (measured
+     * crossover with the next family); 0: any batch */
+    int max_cols;
 } bs_kernel_family;
 
 /* kernels.c: the kernel policy, the one place that decides which family computes a product */

@@ -148,6 +148,7 @@ extern const bs_kernel_family bs_family_vnni_int24;  /* arch/x86/kernels_int.c *
 extern const bs_kernel_family bs_family_avx512_bf16; /* arch/x86/kernels_tiles.c */
 extern const bs_kernel_family bs_family_amx_bf16;
 extern const bs_kernel_family bs_family_avx2_f32;    /* arch/x86/kernels_avx2.c */
+extern const bs_kernel_family bs_family_avx2_int16;  /* arch/x86/kernels_avx2_int.c */
 #endif
 #if defined(__aarch64__)
 extern const bs_kernel_family bs_family_neon_f32;    /* arch/arm/kernels_neon.c */
@@ -156,10 +157,11 @@ extern const bs_kernel_family bs_family_neon_f32;    /* arch/arm/kernels_neon.c 
 /* Small batches (decode steps, 2-row verify passes): the per-column integer kernel is the fastest
  * where it exists (its cost grows with the batch; measured crossover with the tile kernels at 4-5
  * columns on a 2-core Xeon). Larger batches (trees, prompts, evaluation): the tile kernels, whose
- * cost barely grows with the batch. Then the plain SIMD family of the architecture, then generic. */
+ * cost barely grows with the batch. Then the plain SIMD families of the architecture (on AVX2,
+ * avx2-int16 up to its max_cols, then avx2-f32), then generic. */
 static const bs_kernel_family * const order_small[] = {
 #if defined(__x86_64__)
-    &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32,
+    &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_int16, &bs_family_avx2_f32,
 #endif
 #if defined(__aarch64__)
     &bs_family_neon_f32,
@@ -168,7 +170,7 @@ static const bs_kernel_family * const order_small[] = {
 };
 static const bs_kernel_family * const order_large[] = {
 #if defined(__x86_64__)
-    &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32, &bs_family_vnni_int24,
+    &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32, &bs_family_vnni_int24, &bs_family_avx2_int16,
 #endif
 #if defined(__aarch64__)
     &bs_family_neon_f32,
@@ -228,10 +230,22 @@ int bs_policy_list(int64_t n_cols, const bs_job * job, const bs_kernel_family **
     bs_isa_cap(&cap);
     const bs_kernel_family * const * order = n_cols <= BS_SMALL_BATCH ? order_small : order_large;
     int n = 0;
-    for (size_t i = 0; i < N_FAMILIES && n < max; i++) {
-        if (usable(order[i], cap) && (job == NULL || order[i]->supports(job))) {
-            out[n++] = order[i];
+    /* pass 0: the families for this batch in the order's sequence; pass 1: those past their
+     * max_cols, which still compute it (before generic, the last resort) */
+    for (int pass = 0; pass < 2; pass++) {
+        for (size_t i = 0; i < N_FAMILIES && n < max; i++) {
+            const bs_kernel_family * f = order[i];
+            const bool past = f->max_cols > 0 && n_cols > f->max_cols;
+            if (f == &generic_family || past != (pass == 1)) {
+                continue;
+            }
+            if (usable(f, cap) && (job == NULL || f->supports(job))) {
+                out[n++] = f;
+            }
         }
+    }
+    if (n < max) {
+        out[n++] = &generic_family;
     }
     return n;
 }

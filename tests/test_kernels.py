@@ -25,9 +25,30 @@ HERE = policy.families()
 
 # relative error bound against the float64 product, per family: the f32 families and the integer
 # one (exact weights, 24-bit activations) are exact up to f32 summation; the bf16 families round
-# weights and activations to 8-bit mantissas
-TOL = {"vnni-int24": 1e-5, "avx2-f32": 1e-5, "neon-f32": 1e-5, "amx-bf16": 1e-2, "avx512-bf16": 1e-2,
+# weights and activations to 8-bit mantissas; avx2-int16 is held to 1e-5 against the product of its
+# own activation rounding (ACT_BITS) and to 1e-3 against the exact one
+TOL = {"vnni-int24": 1e-5, "avx2-int16": 1e-5, "avx2-f32": 1e-5, "neon-f32": 1e-5, "amx-bf16": 1e-2, "avx512-bf16": 1e-2,
        "generic": 1e-2}
+
+
+# families that round activations to integers per block: the largest integer (x ~ s X, |X| <= it,
+# s = the block's max|x| / it), blocks of 256 values where a 256-superblock type is in the product,
+# else of 32
+ACT_BITS = {"avx2-int16": 32512}
+SUPERBLOCK_TYPES = {10, 11, 12, 13, 14}  # Q2_K .. Q6_K
+
+
+def _act_rounded(fam: str, x: np.ndarray, types: tuple[int, ...]) -> np.ndarray:
+    """x as family ``fam`` sees it (float64), for a product of weights of ``types``."""
+    if fam not in ACT_BITS:
+        return x.astype(np.float64)
+    xmax = np.float32(ACT_BITS[fam])
+    qa = 256 if SUPERBLOCK_TYPES & set(types) else 32
+    xb = x.reshape(x.shape[0], -1, qa).astype(np.float32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, xmax / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    X = np.clip(np.rint(xb * inv), -xmax, xmax)
+    return (X.astype(np.float64) * (amax / xmax).astype(np.float32)).reshape(x.shape)
 
 
 def _runs_here(fam: str) -> None:
@@ -49,15 +70,18 @@ def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5):
         res.set_precision("auto")
         assert res.set_kernel(fam) == fam
         for name in names:
-            w2, r, _, _ = _weights(split, name)
+            w2, r, bt, rt = _weights(split, name)
             x = np.random.default_rng(seed).standard_normal((max(n_cols), w2.shape[1])).astype(np.float32)
             # an outlier channel, as real activations have at a text's first position
             x[:, 3] *= 60.0
             for with_base, W in ((True, w2 + r), (False, r)):
-                ref = x.astype(np.float64) @ W.T
+                ref = _act_rounded(fam, x, (bt, rt) if with_base else (rt,)) @ W.T
                 full = res.matmul(name, x, with_base=with_base)
                 err = np.abs(full - ref).max() / np.abs(ref).max()
                 assert err < TOL[fam], (fam, name, with_base, err)
+                if fam in ACT_BITS:  # and the rounding is as small as it claims
+                    exact = x.astype(np.float64) @ W.T
+                    assert np.abs(full - exact).max() / np.abs(exact).max() < 1e-3, (fam, name, with_base)
                 for n in n_cols:  # a column's result never depends on the rest of the batch
                     assert np.array_equal(res.matmul(name, x[:n], with_base=with_base), full[:n]), (fam, name, n)
             assert res.counters().n_errors == 0
@@ -114,7 +138,7 @@ def test_every_family_this_cpu_runs_is_offered():
     if sys.platform == "linux" and os.uname().machine == "x86_64" and policy.max_isa() != "generic":
         flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
         if {"avx2", "fma", "f16c"} <= set(flags):
-            assert "avx2-f32" in HERE  # every AVX2 CPU has a SIMD family
+            assert {"avx2-int16", "avx2-f32"} <= set(HERE)  # every AVX2 CPU has both SIMD families
         if "avx512_vnni" in flags and policy.max_isa() in ("avx512", "amx"):
             assert "vnni-int24" in HERE
 
@@ -140,6 +164,21 @@ def test_isa_cap_limits_the_families(cap):
         assert not {"vnni-int24", "amx-bf16", "avx512-bf16"} & set(fams)
         assert drafter is None  # the only native drafter needs AVX512-VNNI
     assert "amx-bf16" not in fams
+
+
+def test_avx2_policy_by_batch():
+    """On AVX2 alone, the integer family takes the decode-sized batches (1-2 columns, where it reads
+    weights at memory speed) and avx2-f32 the larger ones (where avx2-int16's multiplies cost more
+    than f32 FMAs), each measured crossover living in C only."""
+    if "avx2-f32" not in policy.families():
+        pytest.skip(f"no AVX2 here (families: {', '.join(policy.families())})")
+    code = "import json; from bitsplit_llama.native import policy; " \
+           "print(json.dumps([policy.kernel_for_batch(b) for b in (1, 2, 3, 4, 16, 512)]))"
+    env = {**os.environ, "BITSPLIT_MAX_ISA": "avx2"}
+    env.pop("BITSPLIT_KERNEL", None)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == ["avx2-int16", "avx2-int16"] + ["avx2-f32"] * 4
 
 
 def test_bad_isa_cap_is_refused(tiny_split):

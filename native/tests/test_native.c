@@ -669,8 +669,8 @@ static void test_api_edges(const model * m, const char * work) {
  * loading a valid split, products of every family against the reference, counters
  * ------------------------------------------------------------------------------------------- */
 
-static const char * const FAMILIES[] = {"generic", "avx512-bf16", "amx-bf16", "vnni-int24", "avx2-f32", "neon-f32"};
-#define N_FAMILIES 6
+static const char * const FAMILIES[] = {"generic", "avx512-bf16", "amx-bf16", "vnni-int24", "avx2-int16", "avx2-f32", "neon-f32"};
+#define N_FAMILIES 7
 static bool g_family_ok[N_FAMILIES];
 static const int COLS[] = {1, 3, 17, 40};
 #define N_COLS 4

@@ -1,6 +1,6 @@
 /*
  * AVX2 decoding of the weight types a split holds, shared by the AVX2 families (avx2-f32,
- * avx2-int21): a unit of weights (256 values, or 32 for the block-32 types when the row width is
+ * avx2-int16): a unit of weights (256 values, or 32 for the block-32 types when the row width is
  * not a multiple of 256) is prepared once (its sub-block scales), then read as groups of 32 values:
  * 32 unsigned byte codes u with W = D u + O, D and O per sub-block of 16 (values 0-15: D0/O0,
  * 16-31: D1/O1; the same for types with sub-blocks of 32).
@@ -101,23 +101,20 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
     }
 }
 
-/* the codes of group g (values 32g .. 32g + 31 of the unit) and the scales of its two halves */
-INL __m256i gcodes(int t, const ustate * s, int g, float * D0, float * O0, float * D1, float * O1) {
-    const uint8_t * b = s->p;
+/* the codes of group g (values 32g .. 32g + 31 of the unit b) */
+INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
     switch (t) {
         case T_Q2_K: { /* value 128n + 32j + l: bits 2j of qs[32n + l] */
-            const int n = g >> 2, j = g & 3, k = 8 * n + 2 * j;
+            const int n = g >> 2, j = g & 3;
             const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * n));
-            *D0 = s->D[k], *O0 = s->O[k], *D1 = s->D[k + 1], *O1 = s->O[k + 1];
             return _mm256_and_si256(srl8(q, 2 * j), _mm256_set1_epi8(3));
         }
         case T_Q3_K: { /* + 4 where the hmask bit (4n + j) is set */
-            const int n = g >> 2, j = g & 3, k = 8 * n + 2 * j;
+            const int n = g >> 2, j = g & 3;
             const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * n));
             const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
             const __m256i bit = _mm256_set1_epi8((char)(1u << (4 * n + j)));
             const __m256i hset = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-            *D0 = s->D[k], *O0 = s->O[k], *D1 = s->D[k + 1], *O1 = s->O[k + 1];
             return _mm256_add_epi8(_mm256_and_si256(srl8(q, 2 * j), _mm256_set1_epi8(3)),
                                    _mm256_and_si256(hset, _mm256_set1_epi8(4)));
         }
@@ -133,37 +130,109 @@ INL __m256i gcodes(int t, const ustate * s, int g, float * D0, float * O0, float
                 u = _mm256_add_epi8(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
                                                         _mm256_set1_epi8(16)));
             }
-            *D0 = *D1 = s->D[g], *O0 = *O1 = s->O[g];
             return u;
         }
         case T_Q6_K: { /* value 128n + 32m + l: nibble of ql[64n + 32(m&1) + l], 2 bits of qh[32n + l] */
-            const int n = g >> 2, m = g & 3, k = 8 * n + 2 * m;
+            const int n = g >> 2, m = g & 3;
             const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (m & 1)));
             const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
             const __m256i lo = _mm256_and_si256(m >= 2 ? srl8(l, 4) : l, _mm256_set1_epi8(0x0F));
             const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(srl8(h, 2 * m), _mm256_set1_epi8(3)), 4);
-            *D0 = s->D[k], *O0 = s->O[k], *D1 = s->D[k + 1], *O1 = s->O[k + 1];
             return _mm256_or_si256(lo, hb);
         }
-        case T_Q8_0: { /* W = d q = d (u - 128), u = q + 128 */
-            const uint8_t * blk = b + 34 * g;
-            *D0 = *D1 = h2f(blk);
-            *O0 = *O1 = -128.0f * *D0;
-            return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
-        }
+        case T_Q8_0: /* W = d q = d (u - 128), u = q + 128 */
+            return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 34 * g + 2)), _mm256_set1_epi8((char)0x80));
         case T_Q4_0:
         case T_Q4_1: { /* Q4_0: W = d (q - 8); Q4_1: W = d q + m; low nibbles are values 0..15 */
-            const bool q41 = t == T_Q4_1;
-            const uint8_t * blk = b + (q41 ? 20 : 18) * g;
-            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (q41 ? 4 : 2)));
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + (t == T_Q4_1 ? 20 : 18) * g + (t == T_Q4_1 ? 4 : 2)));
             const __m128i m4 = _mm_set1_epi8(0x0F);
-            *D0 = *D1 = h2f(blk);
-            *O0 = *O1 = q41 ? h2f(blk + 2) : -8.0f * *D0;
             return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
         }
         default:
-            *D0 = *O0 = *D1 = *O1 = 0.0f;
             return _mm256_setzero_si256();
+    }
+}
+
+/* the codes of group g and the scales of its two halves (W = D u + O) */
+INL __m256i gcodes(int t, const ustate * s, int g, float * D0, float * O0, float * D1, float * O1) {
+    const uint8_t * b = s->p;
+    switch (t) {
+        case T_Q2_K: case T_Q3_K: case T_Q6_K: {
+            const int k = 2 * g; /* sub-blocks of 16 */
+            *D0 = s->D[k], *O0 = s->O[k], *D1 = s->D[k + 1], *O1 = s->O[k + 1];
+            break;
+        }
+        case T_Q4_K: case T_Q5_K:
+            *D0 = *D1 = s->D[g], *O0 = *O1 = s->O[g];
+            break;
+        case T_Q8_0:
+            *D0 = *D1 = h2f(b + 34 * g);
+            *O0 = *O1 = -128.0f * *D0;
+            break;
+        case T_Q4_0: case T_Q4_1: {
+            const bool q41 = t == T_Q4_1;
+            const uint8_t * blk = b + (q41 ? 20 : 18) * g;
+            *D0 = *D1 = h2f(blk);
+            *O0 = *O1 = q41 ? h2f(blk + 2) : -8.0f * *D0;
+            break;
+        }
+        default:
+            *D0 = *O0 = *D1 = *O1 = 0.0f;
+            break;
+    }
+    return gcodes_u(t, b, g);
+}
+
+/* Integer scales of a superblock (Q2_K..Q6_K): W = d * sc[h] * u + O[h] for the 16 halves h of 16
+ * values (Q4_K/Q5_K's 8 scales of 32 each given twice), sc as 16 int16 in *S; O as floats. */
+INL void iscales(int t, const uint8_t * b, __m256i * S, float * d, float * O) {
+    switch (t) {
+        case T_Q2_K: { /* scales: low nibbles; mins: high nibbles x -dmin */
+            const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F);
+            *S = _mm256_cvtepu8_epi16(_mm_and_si128(v, m4));
+            *d = h2f(b + 80);
+            const __m256 dm = _mm256_set1_ps(-h2f(b + 82));
+            const __m128i mn = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+            _mm256_storeu_ps(O, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn))));
+            _mm256_storeu_ps(O + 8, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8)))));
+            break;
+        }
+        case T_Q3_K:
+        case T_Q6_K: { /* O = -4 d sc (Q3_K), -32 d sc (Q6_K) */
+            __m128i v;
+            if (t == T_Q3_K) {
+                int8_t sc[16];
+                bs_q3k_scales(b + 96, sc);
+                v = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)sc), _mm_set1_epi8(32));
+                *d = h2f(b + 108);
+            } else {
+                v = _mm_loadu_si128((const __m128i *)(b + 192));
+                *d = h2f(b + 208);
+            }
+            *S = _mm256_cvtepi8_epi16(v);
+            const __m256 z = _mm256_set1_ps((t == T_Q3_K ? -4.0f : -32.0f) * *d);
+            _mm256_storeu_ps(O, _mm256_mul_ps(z, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+            _mm256_storeu_ps(O + 8, _mm256_mul_ps(z, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
+            break;
+        }
+        case T_Q4_K:
+        case T_Q5_K: { /* 8 sub-blocks of 32 */
+            const float dmin = h2f(b + 2);
+            int16_t sc[16];
+            *d = h2f(b);
+            for (int j = 0; j < 8; j++) {
+                uint8_t s1, m;
+                scale_min_k4(j, b + 4, &s1, &m);
+                sc[2 * j] = sc[2 * j + 1] = (int16_t)s1;
+                O[2 * j] = O[2 * j + 1] = -dmin * (float)m;
+            }
+            *S = _mm256_loadu_si256((const __m256i *)sc);
+            break;
+        }
+        default:
+            *S = _mm256_setzero_si256();
+            *d = 0.0f;
+            break;
     }
 }
 

@@ -1,0 +1,394 @@
+/*
+ * The AVX2 integer family ("avx2-int16"): exact integer weights times 16-bit integer activations,
+ * for the AVX2 CPUs without AVX-512 (Zen 2/3, Intel Haswell to 14th gen client) at the batch
+ * sizes of decoding and verification, where avx2-f32 spends more instructions unpacking weights to
+ * f32 than the memory takes to deliver them.
+ *
+ * Activations: each column is cut into blocks of QA values (256 where a superblock type is in the
+ * product, else 32); a block is scaled by s = max|x| / 32512 and rounded to integers X, |X| <=
+ * 32512 (2^-15 of the block's largest value: finer than bf16's 8-bit mantissa for every value
+ * within 1/128 of the largest), kept as two signed byte digits X = 255*d1 + d0 with d0, d1 in
+ * [-127, 127] (base 255, so that no digit is -128: Q8_0's sign trick below negates digits), plus
+ * the sums of X over each 16 values. The fast drafter (base alone) keeps one digit: 8-bit
+ * activations, as ggml's own K-quant products use.
+ *
+ * Weights: as in vnni-int24, every type is per group of 32 values an affine map of unsigned byte
+ * codes, W = D u + O with D and O per half-group of 16 (avx2_quants.h); Q8_0 is taken as its
+ * signed bytes, u = |q| and the digits' signs flipped where q < 0 (so W = d q, no offset). Then
+ *   sum_k W[k] x[k] = s * sum_halves (D * sum u X + O * sum X),
+ * where sum u X is exact: vpmaddubsw's pair sums stay below 2^15 for every type (u <= 63 except
+ * Q8_0's |q| <= 128, digits <= 127), vpmaddwd sums four products per lane (the high digit's
+ * weighted by 255), and their sum is exact in int32 and in f32 (below 2^24). Floats appear only
+ * in the per-half scaling and the offsets (sums of 16 X, per unit), always in the same order, so a
+ * column's result never depends on the rest of the batch.
+ *
+ * Memory: one row at a time; each unit of weights (QA values) is decoded once, then applied to
+ * every column (from registers for one column, else from an L1 buffer). Each weight block is read
+ * once per product.
+ */
+#if defined(__x86_64__)
+
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bitsplit.h"
+#include "bs_internal.h"
+
+#define TGT __attribute__((target("avx2,fma,f16c")))
+#define INL TGT static inline __attribute__((always_inline))
+
+#include "avx2_quants.h"
+
+#define XMAX2 32512 /* 255*127 + 127: two base-255 digits in [-127, 127] */
+#define XMAX1 127   /* one digit (the fast drafter) */
+#define PF_AHEAD 1024 /* bytes of each row read ahead of the unit being computed */
+
+static int cpu_avx2 = -1;
+
+static bool int16_cpu(void) {
+    if (cpu_avx2 < 0) {
+        __builtin_cpu_init();
+        cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+    return cpu_avx2 == 1;
+}
+
+/* the same jobs avx2-f32 takes (the types a split holds, rows a multiple of their block) */
+static bool int16_supports(const bs_job * job) { return bs_f32_family_supports(job); }
+
+/* values per activation block (and per unit of weights): 256 where a superblock type is in the
+ * product (then K % 256 == 0), else 32 */
+static int64_t qa_of(const bs_job * job) {
+    const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);
+    return ((bt > 0 && T_BLCK[bt] == 256) || (rt > 0 && T_BLCK[rt] == 256)) ? 256 : 32;
+}
+
+/* one column's activations: digits d0[K], d1[K], then xs16[K/16] (sums of X over 16 values, exact
+ * in f32), then s[K/QA] (the block scales); 64-byte aligned */
+static size_t col_bytes(const bs_job * job) {
+    const size_t K = (size_t)job->K;
+    const size_t n = 2 * K + (K / 16 + K / (size_t)qa_of(job)) * sizeof(float);
+    return (n + 63) & ~(size_t)63;
+}
+
+static size_t int16_acts_size(const bs_job * job) { return (size_t)job->n_cols * col_bytes(job) + 64; }
+
+TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
+    const int64_t K = job->K, qa = qa_of(job);
+    const bool coarse = job->r == NULL; /* the fast drafter: one digit */
+    const int xmax = coarse ? XMAX1 : XMAX2;
+    const size_t cb = col_bytes(job);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lim = _mm256_set1_epi32(xmax), nlim = _mm256_set1_epi32(-xmax);
+    const __m256 inv255 = _mm256_set1_ps(1.0f / 255.0f);
+    const __m256i k255 = _mm256_set1_epi32(255);
+    /* bytes 0, 4, 8, 12 of each 128-bit lane: the low byte of each int32 */
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (int64_t c = c0; c < c1; c++) {
+        const float * x = job->x + c * job->ldx;
+        uint8_t * col = (uint8_t *)job->acts + (size_t)c * cb;
+        int8_t * d0 = (int8_t *)col, * d1 = (int8_t *)col + K;
+        float * xs16 = (float *)(col + 2 * K), * sv = xs16 + K / 16;
+        for (int64_t t = 0; t < K / qa; t++) {
+            const float * xb = x + t * qa;
+            __m256 mx = _mm256_setzero_ps();
+            for (int64_t i = 0; i < qa; i += 8) {
+                mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xb + i), absmask));
+            }
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_movehdup_ps(m));
+            const float amax = _mm_cvtss_f32(m);
+            sv[t] = amax / (float)xmax;
+            const __m256 inv = _mm256_set1_ps(amax > 0.0f ? (float)xmax / amax : 0.0f);
+            for (int64_t i = 0; i < qa; i += 16) {
+                __m256i sum = _mm256_setzero_si256();
+                for (int64_t j = i; j < i + 16; j += 8) {
+                    __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), inv));
+                    X = _mm256_max_epi32(_mm256_min_epi32(X, lim), nlim); /* the rounding at the range's edge */
+                    sum = _mm256_add_epi32(sum, X);
+                    /* X = 255 hi + lo, hi = round(X / 255) (never a tie: 255 is odd), |lo| <= 127 */
+                    const __m256i hi = coarse ? _mm256_setzero_si256()
+                                              : _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(X), inv255));
+                    const __m256i lo = _mm256_sub_epi32(X, _mm256_mullo_epi32(hi, k255));
+                    const __m256i blo = _mm256_shuffle_epi8(lo, pick), bhi = _mm256_shuffle_epi8(hi, pick);
+                    int32_t l4[2], h4[2];
+                    l4[0] = _mm256_extract_epi32(blo, 0), l4[1] = _mm256_extract_epi32(blo, 4);
+                    h4[0] = _mm256_extract_epi32(bhi, 0), h4[1] = _mm256_extract_epi32(bhi, 4);
+                    memcpy(d0 + t * qa + j, l4, 8);
+                    memcpy(d1 + t * qa + j, h4, 8);
+                }
+                /* the sum of X over these 16 values: exact in f32 (|sum| <= 16 * 32512 < 2^24) */
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+                xs16[(t * qa + i) / 16] = (float)_mm_cvtsi128_si32(s4);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * One unit of one half (base or residual) of one row, decoded: per group of 32 values the codes u
+ * and either (superblock types) the halves' integer scales as int16 lanes G, so that the sums stay
+ * integers over the whole unit and one float scale d multiplies them, or (block-32 types) the
+ * group's float scale D; for Q8_0 the signed bytes q whose signs go onto the digits. Offsets O per
+ * half of 16 values, applied per unit with the sums of X over 16 values.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct {
+    __m256i u[8], q[8], G[8];
+    __m256 D[8];
+    float O[16];
+    float d;
+} unit_buf;
+
+INL bool superblock(int t) { return T_BLCK[t] == 256; }
+
+/* int16 lanes [sc[2g] x8 | sc[2g+1] x8] from the 16 scales S: vpmaddwd's layout of the pair sums
+ * of vpmaddubsw (values 0-15 of the group in the low 128 bits) */
+INL __m256i group_scales(__m256i S, int g) {
+    const __m256i B = g < 4 ? _mm256_permute2x128_si256(S, S, 0x00) : _mm256_permute2x128_si256(S, S, 0x11);
+    const char a = (char)(2 * ((2 * g) % 8)), b = (char)(2 * ((2 * g + 1) % 8));
+    const __m256i idx = _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+                                         b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1);
+    return _mm256_shuffle_epi8(B, idx);
+}
+
+/* the unit's scales (superblock types) or nothing (block-32 types read theirs per group) */
+INL void decode_scales(int t, const uint8_t * p, unit_buf * h, __m256i * S) {
+    if (superblock(t)) iscales(t, p, S, &h->d, h->O);
+}
+
+INL void decode_group(int t, const uint8_t * p, __m256i S, int g, unit_buf * h, __m256i * u, __m256i * q,
+                      __m256i * G, __m256 * D) {
+    if (superblock(t)) {
+        *u = gcodes_u(t, p, g);
+        *G = group_scales(S, g);
+    } else if (t == T_Q8_0) {
+        const uint8_t * blk = p + 34 * g;
+        *q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        *u = _mm256_abs_epi8(*q); /* -128 -> 0x80 = 128 as unsigned: right */
+        *D = _mm256_set1_ps(h2f(blk));
+    } else { /* Q4_0 / Q4_1 */
+        const bool q41 = t == T_Q4_1;
+        const uint8_t * blk = p + (q41 ? 20 : 18) * g;
+        const float d = h2f(blk);
+        *u = gcodes_u(t, p, g);
+        *D = _mm256_set1_ps(d);
+        h->O[2 * g] = h->O[2 * g + 1] = q41 ? h2f(blk + 2) : -8.0f * d;
+    }
+}
+
+/* the running sums of one half for one column over a unit */
+typedef struct {
+    __m256i il, ih; /* superblock types: sum G u X of the low and high digits */
+    __m256 f[2];    /* block-32 types: sum D u X, two chains (even, odd groups) */
+} sums;
+
+INL void sums_init(sums * a) {
+    a->il = a->ih = _mm256_setzero_si256();
+    a->f[0] = a->f[1] = _mm256_setzero_ps();
+}
+
+/* one group of one half for one column */
+INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G, __m256 D, const int8_t * d0,
+                     const int8_t * d1, sums * a) {
+    __m256i e0 = _mm256_loadu_si256((const __m256i *)d0);
+    if (t == T_Q8_0) e0 = _mm256_sign_epi8(e0, q);
+    if (superblock(t)) {
+        /* |G u X| per lane <= 2 * 2*63*127 * 128 per group, 8 groups: far inside int32 */
+        a->il = _mm256_add_epi32(a->il, _mm256_madd_epi16(_mm256_maddubs_epi16(u, e0), G));
+        if (!coarse) {
+            const __m256i e1 = _mm256_loadu_si256((const __m256i *)d1);
+            a->ih = _mm256_add_epi32(a->ih, _mm256_madd_epi16(_mm256_maddubs_epi16(u, e1), G));
+        }
+        return;
+    }
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, e0), _mm256_set1_epi16(1));
+    if (!coarse) {
+        __m256i e1 = _mm256_loadu_si256((const __m256i *)d1);
+        if (t == T_Q8_0) e1 = _mm256_sign_epi8(e1, q);
+        /* 255 p1 + p0: exact in int32 and in f32 (|p| <= 256 * 4*128*127 < 2^24) */
+        p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(u, e1), _mm256_set1_epi16(255)));
+    }
+    a->f[g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), D, a->f[g & 1]);
+}
+
+/* the half's value over the unit for one column (before the block scale s) */
+INL __m256 sums_end(int t, bool coarse, int ng, const sums * a, const unit_buf * h, const float * xs16) {
+    __m256 v;
+    if (superblock(t)) {
+        const __m256 T = coarse ? _mm256_cvtepi32_ps(a->il)
+                                : _mm256_fmadd_ps(_mm256_cvtepi32_ps(a->ih), _mm256_set1_ps(255.0f), _mm256_cvtepi32_ps(a->il));
+        v = _mm256_mul_ps(T, _mm256_set1_ps(h->d));
+    } else {
+        v = _mm256_add_ps(a->f[0], a->f[1]);
+    }
+    if (t == T_Q8_0) {
+        return v; /* no offset */
+    }
+    if (ng == 8) {
+        return _mm256_fmadd_ps(_mm256_loadu_ps(h->O + 8), _mm256_loadu_ps(xs16 + 8),
+                               _mm256_fmadd_ps(_mm256_loadu_ps(h->O), _mm256_loadu_ps(xs16), v));
+    }
+    /* one group (units of 32): two halves, in lanes 0 and 1 */
+    const __m128 o = _mm_castpd_ps(_mm_load_sd((const double *)h->O));
+    const __m128 x = _mm_castpd_ps(_mm_load_sd((const double *)xs16));
+    return _mm256_add_ps(v, _mm256_castps128_ps256(_mm_mul_ps(o, x)));
+}
+
+TGT static inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+INL void prefetch_ahead(const uint8_t * p, size_t n, const uint8_t * end) {
+    for (size_t o = 0; o < n; o += 64) {
+        if (p + PF_AHEAD + o < end) _mm_prefetch((const char *)(p + PF_AHEAD + o), _MM_HINT_T0);
+    }
+}
+
+/* the activations of column c from value k0: digits, sums of 16, block scale */
+typedef struct {
+    const int8_t * d0, * d1;
+    const float * xs16;
+    float s;
+} colp;
+
+INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
+    const int64_t K = job->K;
+    const uint8_t * col = (const uint8_t *)job->acts + (size_t)c * cb;
+    const float * xs16 = (const float *)(col + 2 * K);
+    colp a = {(const int8_t *)col + k0, (const int8_t *)col + K + k0, xs16 + k0 / 16, xs16[K / 16 + k0 / qa]};
+    return a;
+}
+
+/* Every (row, column) sees the same operations in the same order: per unit, each half's sums
+ * (base first), their offsets, times the block scale s, into the column's total. */
+INL void rows_body(const bs_job * job, int bt, int rt, int64_t r0, int64_t r1, bs_scratch * scratch) {
+    const int64_t K = job->K, nc = job->n_cols;
+    if (nc < 1) {
+        return;
+    }
+    const bool coarse = rt == T_NONE; /* base alone: the fast drafter's 8-bit activations */
+    const int qa = ((bt != T_NONE && T_BLCK[bt] == 256) || (rt != T_NONE && T_BLCK[rt] == 256)) ? 256 : 32;
+    const int ng = qa / 32;
+    const size_t cb = col_bytes(job);
+    uint8_t * mem = bs_scratch_get(scratch, 2 * sizeof(unit_buf) + (size_t)nc * sizeof(__m256) + 64);
+    if (mem == NULL) {
+        return; /* the caller checked capacity before; cannot happen */
+    }
+    unit_buf * hb = (unit_buf *)mem, * hr = hb + 1;
+    __m256 * tot = (__m256 *)(hr + 1);
+    const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t * brow = bt != T_NONE ? job->w2 + (size_t)r * job->w2_row_bytes : NULL;
+        const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)r * job->r_row_bytes : NULL;
+        const uint8_t * bend = bt != T_NONE ? job->w2 + (size_t)r1 * job->w2_row_bytes : NULL;
+        const uint8_t * rend = rt != T_NONE ? job->r + (size_t)r1 * job->r_row_bytes : NULL;
+        __m256 tot0 = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nc; c++) {
+            tot[c] = _mm256_setzero_ps();
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += qa) {
+            const int64_t t = k0 / qa;
+            const uint8_t * bp = bt != T_NONE ? brow + (size_t)t * bub : NULL;
+            const uint8_t * rp = rt != T_NONE ? rrow + (size_t)t * rub : NULL;
+            if (bt != T_NONE) prefetch_ahead(bp, bub, bend);
+            if (rt != T_NONE) prefetch_ahead(rp, rub, rend);
+            __m256i Sb = _mm256_setzero_si256(), Sr = _mm256_setzero_si256();
+            if (bt != T_NONE) decode_scales(bt, bp, hb, &Sb);
+            if (rt != T_NONE) decode_scales(rt, rp, hr, &Sr);
+            if (nc == 1) { /* straight from registers */
+                const colp a = col_at(job, cb, 0, k0, qa);
+                sums ab, ar;
+                sums_init(&ab);
+                sums_init(&ar);
+                _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+                    __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
+                    __m256 D = _mm256_setzero_ps();
+                    if (bt != T_NONE) {
+                        decode_group(bt, bp, Sb, g, hb, &u, &q, &G, &D);
+                        apply_group(bt, coarse, g, u, q, G, D, a.d0 + 32 * g, a.d1 + 32 * g, &ab);
+                    }
+                    if (rt != T_NONE) {
+                        decode_group(rt, rp, Sr, g, hr, &u, &q, &G, &D);
+                        apply_group(rt, coarse, g, u, q, G, D, a.d0 + 32 * g, a.d1 + 32 * g, &ar);
+                    }
+                }
+                __m256 v = _mm256_setzero_ps();
+                if (bt != T_NONE) v = sums_end(bt, coarse, ng, &ab, hb, a.xs16);
+                if (rt != T_NONE) v = _mm256_add_ps(v, sums_end(rt, coarse, ng, &ar, hr, a.xs16));
+                tot0 = _mm256_fmadd_ps(_mm256_set1_ps(a.s), v, tot0);
+                continue;
+            }
+            _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+                if (bt != T_NONE) decode_group(bt, bp, Sb, g, hb, &hb->u[g], &hb->q[g], &hb->G[g], &hb->D[g]);
+                if (rt != T_NONE) decode_group(rt, rp, Sr, g, hr, &hr->u[g], &hr->q[g], &hr->G[g], &hr->D[g]);
+            }
+            for (int64_t c = 0; c < nc; c++) {
+                const colp a = col_at(job, cb, c, k0, qa);
+                /* read the decoded unit from L1 in every column: kept in registers across the
+                 * column loop it would spill */
+                const unit_buf * b = hb, * e = hr;
+                __asm__("" : "+r"(b), "+r"(e));
+                sums ab, ar;
+                sums_init(&ab);
+                sums_init(&ar);
+                _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+                    if (bt != T_NONE) apply_group(bt, coarse, g, b->u[g], b->q[g], b->G[g], b->D[g], a.d0 + 32 * g, a.d1 + 32 * g, &ab);
+                    if (rt != T_NONE) apply_group(rt, coarse, g, e->u[g], e->q[g], e->G[g], e->D[g], a.d0 + 32 * g, a.d1 + 32 * g, &ar);
+                }
+                __m256 v = _mm256_setzero_ps();
+                if (bt != T_NONE) v = sums_end(bt, coarse, ng, &ab, b, a.xs16);
+                if (rt != T_NONE) v = _mm256_add_ps(v, sums_end(rt, coarse, ng, &ar, e, a.xs16));
+                tot[c] = _mm256_fmadd_ps(_mm256_set1_ps(a.s), v, tot[c]);
+            }
+        }
+        for (int64_t c = 0; c < nc; c++) {
+            float * y = job->y + c * job->ldy + r;
+            const float v = hsum8(nc == 1 ? tot0 : tot[c]);
+            *y = job->accumulate ? *y + v : v;
+        }
+    }
+}
+
+/* one compiled body per (base type, residual type): the decoders' switches fold away */
+typedef void (*rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
+#define BODY(B, R) \
+    TGT static void rows_##B##_##R(const bs_job * j, int64_t r0, int64_t r1, bs_scratch * s) { rows_body(j, B, R, r0, r1, s); }
+#define BODIES(B) BODY(B, T_NONE) BODY(B, T_Q6_K) BODY(B, T_Q8_0)
+BODIES(T_Q2_K) BODIES(T_Q3_K) BODIES(T_Q4_K) BODIES(T_Q5_K) BODIES(T_Q6_K) BODIES(T_Q8_0) BODIES(T_Q4_0) BODIES(T_Q4_1)
+BODY(T_NONE, T_Q6_K) BODY(T_NONE, T_Q8_0)
+#define ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0}
+/* [base code][0: unused, 1: no residual, 2: Q6_K residual, 3: Q8_0 residual] */
+static const rows_fn BODY_TABLE[T_COUNT][4] = {
+    {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0},
+    ROW(T_Q2_K), ROW(T_Q3_K), ROW(T_Q4_K), ROW(T_Q5_K), ROW(T_Q6_K), ROW(T_Q8_0), ROW(T_Q4_0), ROW(T_Q4_1),
+};
+
+static void int16_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
+    const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);
+    const int col = rt == T_NONE ? 1 : rt == T_Q6_K ? 2 : rt == T_Q8_0 ? 3 : -1;
+    if (bt < 0 || col < 0 || BODY_TABLE[bt][col] == NULL) {
+        return; /* int16_supports admitted the job: cannot happen */
+    }
+    BODY_TABLE[bt][col](job, r0, r1, scratch);
+}
+
+const bs_kernel_family bs_family_avx2_int16 = {
+    "avx2-int16", BS_ISA_AVX2, int16_cpu, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
+    0, /* drafting: set from a measurement (bench/draft_speed.py) */
+    /* preferred up to 2 columns: per column it multiplies with vpmaddubsw/vpmaddwd, 8 per 32
+     * weights of W2 + R, against avx2-f32's 4 FMAs on the summed weights. Measured on a 2-core Zen 3,
+     * Qwen2.5-Coder-1.5B q6_k split, W2 + R (python bench/residual_speed.py SPLIT --batches
+     * 1,2,4,8,16 --kernel avx2-int16,avx2-f32): time f32/int16 2.54 at 1 column, 1.36 at 2, 0.92 at
+     * 4, 0.51 at 16 */
+    2,
+};
+
+#endif /* __x86_64__ */
