@@ -1,10 +1,11 @@
 """Drafting pass time (residual off): llama.cpp's own kernels against the native fast drafter, for
-batches of 1, 2 and 4 tokens, interleaved in one process; medians and the ratio.
+batches of 1 to 4 tokens, interleaved in one process; medians and the ratio.
 
     python bench/draft_speed.py SPLIT_DIR [--repeat 7] [--threads N]
 
-The native library takes a drafting product only where its integer kernel is the faster one (from 2
-columns on); at 1 column both rows time llama.cpp's kernel.
+The native library takes a drafting product only where its integer kernel is the faster one
+(``bitsplit_draft_min_cols``: from 2 columns on with vnni-int24, 4 with avx2-int16); below that
+both rows time llama.cpp's kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import statistics
 import time
 
 from bitsplit_llama.runtime.verifier import SplitModel
+
+BATCHES = (1, 2, 3, 4)
 
 
 def main() -> None:
@@ -29,9 +32,9 @@ def main() -> None:
     for sm in models.values():
         with sm.drafting() as ctx:
             ctx.decode(prompt, list(range(P)))
-    times: dict[tuple[str, int], list[float]] = {(n, b): [] for n in models for b in (1, 2, 4)}
+    times: dict[tuple[str, int], list[float]] = {(n, b): [] for n in models for b in BATCHES}
     for _ in range(a.repeat):
-        for b in (1, 2, 4):
+        for b in BATCHES:
             for name, sm in models.items():
                 with sm.drafting() as ctx:
                     t0 = time.perf_counter()
@@ -39,7 +42,7 @@ def main() -> None:
                     times[(name, b)].append(time.perf_counter() - t0)
                     ctx.seq_rm(0, P)
     print(f"{a.split}: drafting pass, median of {a.repeat}")
-    for b in (1, 2, 4):
+    for b in BATCHES:
         x, y = statistics.median(times[("llama.cpp", b)]), statistics.median(times[("native", b)])
         print(f"batch {b}: llama.cpp {1000 * x:7.1f} ms   native drafter {1000 * y:7.1f} ms   ratio {y / x:.2f}")
     n = models["native"].residual.counters().n_draft_products

@@ -65,7 +65,11 @@ def test_either_drafter_gives_the_verifiers_tokens(tiny_split):
                 assert g.sm.drafter == policy.draft_kernel()
             out[drafter] = [g.generate(p, max_tokens=48).tokens for p in PROMPTS]
             counters = g.sm.residual.counters()
-            assert (counters.n_draft_products > 0) == native_ran
+            # llama.cpp's drafter leaves every product to ggml; the native one takes those of draft
+            # passes from its family's smallest batch on (4 columns with avx2-int16: an 8-node tree
+            # may never draft that wide; test_fast_drafter_computes_the_base_products checks it does)
+            if not native_ran or policy.draft_min_cols() <= 2:
+                assert (counters.n_draft_products > 0) == native_ran
             plain = [g.generate(p, max_tokens=48, speculative=False).tokens for p in PROMPTS]
         assert out[drafter] == plain
     assert all(o == out["llama.cpp"] for o in out.values())

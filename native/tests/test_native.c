@@ -685,8 +685,17 @@ static bool int_kernel_type(int t) {
 
 /* whether the native drafter takes a base product of this type and width (the library's policy) */
 static bool drafts(int t, int64_t K, int64_t n_cols) {
-    return bitsplit_draft_kernel()[0] != '\0' && n_cols >= bitsplit_draft_min_cols() && K % 256 == 0 &&
-           int_kernel_type(t);
+    const char * f = bitsplit_draft_kernel();
+    if (f[0] == '\0' || n_cols < bitsplit_draft_min_cols()) {
+        return false;
+    }
+    if (strcmp(f, "avx2-int16") == 0) { /* the types a split holds, rows a multiple of their block */
+        const bool k256 = t == GGML_TYPE_Q2_K || t == GGML_TYPE_Q3_K || t == GGML_TYPE_Q4_K || t == GGML_TYPE_Q5_K ||
+                          t == GGML_TYPE_Q6_K;
+        const bool k32 = t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
+        return (k256 && K % 256 == 0) || (k32 && K % 32 == 0);
+    }
+    return K % 256 == 0 && int_kernel_type(t);
 }
 
 static bool is_float_type(int t) {
