@@ -57,7 +57,7 @@ class SplitModel:
                 fast_drafter = n_gpu_layers == 0 and draft_family is not None
             if fast_drafter and draft_family is None:
                 raise UnsupportedModelError(
-                    "--drafter native: this CPU has no native drafting kernel (it needs AVX512-VNNI; kernel "
+                    "--drafter native: this CPU has no native drafting kernel (it needs AVX2 or AVX512-VNNI; kernel "
                     f"families here: {', '.join(policy.families())}); use --drafter llama.cpp or auto")
             self.fast_drafter = bool(fast_drafter)
             # who computes the drafter's products: the native family, or llama.cpp's own kernels

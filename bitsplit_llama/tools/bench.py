@@ -121,7 +121,11 @@ def _worker(cfg: dict) -> None:
             st = res[0].stats if res else None
             extra = st.to_json() if st else {}
             extra["kernel"] = gen.kernel
-            extra["drafter"] = gen.sm.drafter  # what actually ran: a native family or llama.cpp
+            # what actually ran: a native family only if it took some drafting product (it takes
+            # passes from its family's smallest batch on; narrower ones stay with llama.cpp)
+            n_draft = gen.sm.residual.counters().n_draft_products
+            extra["drafter"] = gen.sm.drafter if n_draft > 0 else "llama.cpp"
+            extra["draft_products"] = n_draft
             extra["shape"] = [gen.shape.nodes, gen.shape.width, gen.shape.rounds]
             return n, t_first, t_last, extra
 
@@ -219,6 +223,7 @@ class BenchReport:
             "median_pair_ratio": round(statistics.median(self.per_prompt_ratio), 4) if self.per_prompt_ratio else 0.0,
             "accepted_per_verify": round(tot["n_tokens"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
             "tree_nodes": self.tree_nodes, "tree_shape": last.get("shape"), "kernel": last.get("kernel"), "drafter": last.get("drafter"),
+            "draft_products": last.get("draft_products", 0),
             "time_split": {"draft": round(tot["draft_seconds"] / gen, 4), "verify": round(tot["verify_seconds"] / gen, 4),
                            "residual": round(tot["residual_seconds"] / gen, 4),
                            "draft_python": round((tot["draft_seconds"] - tot["draft_decode_seconds"]) / gen, 4),

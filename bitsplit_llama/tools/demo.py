@@ -248,7 +248,8 @@ def run_demo(model: str = "smollm2-135m", *, out: str | os.PathLike[str] | None 
         say(f"stock llama.cpp on {source.name}")
         stock = _stock_run(source, toks, n_predict, n_ctx, threads, gen.model.is_eog)
         secs["stock"] = stock.seconds
-        drafter = gen.sm.drafter
+        # what ran: the native family only if it took some drafting product
+        drafter = gen.sm.drafter if gen.sm.residual.counters().n_draft_products > 0 else "llama.cpp"
         auto = gen.auto_choice is not None
     secs["total"] = time.perf_counter() - t_all
     return DemoReport(model=name, source=source, split_dir=out_dir, split_reused=reused, base_bpw=info.base_bpw,

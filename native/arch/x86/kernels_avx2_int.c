@@ -402,12 +402,12 @@ const bs_kernel_family bs_family_avx2_int16 = {
      * Zen 3 (python bench/draft_speed.py SPLIT --repeat 9): native/ggml time 1.26 at 1 column, 1.00
      * at 2, 1.07 at 3, 0.92 at 4 */
     4,
-    /* preferred up to 2 columns: per column it multiplies with vpmaddubsw/vpmaddwd, 8 per 32
-     * weights of W2 + R, against avx2-f32's 4 FMAs on the summed weights. Measured on a 2-core Zen 3,
-     * Qwen2.5-Coder-1.5B q6_k split, W2 + R (python bench/residual_speed.py SPLIT --batches
-     * 1,2,4,8,16 --kernel avx2-int16,avx2-f32): time f32/int16 2.54 at 1 column, 1.36 at 2, 0.92 at
-     * 4, 0.51 at 16 */
-    2,
+    /* preferred up to 4 columns: per column it multiplies with vpmaddubsw/vpmaddwd, 8 per 32
+     * weights of W2 + R, against avx2-f32's 4 FMAs on the summed weights, but decodes the weights
+     * for much less. Measured on a 2-core Zen 3, Qwen2.5-Coder-1.5B q6_k split, W2 + R (python
+     * bench/residual_speed.py SPLIT --batches 1,2,3,4,5 --kernel avx2-int16,avx2-f32): time
+     * f32/int16 2.12 at 1 column, 1.41 at 2, 1.10 at 3, 1.04 at 4, 0.94 at 5 */
+    4,
 };
 
 #endif /* __x86_64__ */
