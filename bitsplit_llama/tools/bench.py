@@ -110,6 +110,7 @@ def _worker(cfg: dict) -> None:
             t_first = t_last = None
             n = 0
             res = []
+            d0 = gen.sm.residual.counters().n_draft_products  # this request's own (not calibration's)
             for _, toks in gen.stream(req["prompt"], max_tokens=req["n"], sampling=sp, on_finish=res.append,
                                       speculative=req.get("speculative", True)):
                 now = time.perf_counter()
@@ -123,7 +124,7 @@ def _worker(cfg: dict) -> None:
             extra["kernel"] = gen.kernel
             # what actually ran: a native family only if it took some drafting product (it takes
             # passes from its family's smallest batch on; narrower ones stay with llama.cpp)
-            n_draft = gen.sm.residual.counters().n_draft_products
+            n_draft = gen.sm.residual.counters().n_draft_products - d0
             extra["drafter"] = gen.sm.drafter if n_draft > 0 else "llama.cpp"
             extra["draft_products"] = n_draft
             extra["shape"] = [gen.shape.nodes, gen.shape.width, gen.shape.rounds]

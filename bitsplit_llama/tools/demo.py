@@ -238,7 +238,9 @@ def run_demo(model: str = "smollm2-135m", *, out: str | os.PathLike[str] | None 
         shape = (gen.shape.nodes, gen.shape.width, gen.shape.rounds)
         say(f"speculative: a tree of {shape[0]} node(s) (width {shape[1]}, {shape[2]} round(s)"
             f"{', chosen for this machine' if gen.auto_choice else ''})")
+        d0 = gen.sm.residual.counters().n_draft_products  # the tree's calibration drafted too
         spec = _bitsplit_run(gen, toks, n_predict, gen.shape.nodes > 0, on_piece)
+        n_draft = gen.sm.residual.counters().n_draft_products - d0
         if on_piece is not None:
             on_piece("\n")
         secs["speculative"] = spec.seconds
@@ -248,8 +250,8 @@ def run_demo(model: str = "smollm2-135m", *, out: str | os.PathLike[str] | None 
         say(f"stock llama.cpp on {source.name}")
         stock = _stock_run(source, toks, n_predict, n_ctx, threads, gen.model.is_eog)
         secs["stock"] = stock.seconds
-        # what ran: the native family only if it took some drafting product
-        drafter = gen.sm.drafter if gen.sm.residual.counters().n_draft_products > 0 else "llama.cpp"
+        # what ran: the native family only if it took some of the generation's drafting products
+        drafter = gen.sm.drafter if n_draft > 0 else "llama.cpp"
         auto = gen.auto_choice is not None
     secs["total"] = time.perf_counter() - t_all
     return DemoReport(model=name, source=source, split_dir=out_dir, split_reused=reused, base_bpw=info.base_bpw,
