@@ -110,3 +110,33 @@ def test_concurrent_requests_queue(client):
     for t in ts:
         t.join(timeout=120)
     assert out == seq
+
+
+def test_dropped_stream_frees_the_model(server):
+    """A client that reads three chunks of a stream and hangs up must not keep the model: the next
+    request is answered (it used to wait forever: the stream's generator was never closed)."""
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    u = urlparse(server)
+
+    def post(body: dict) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request("POST", f"{u.path}/completions", json.dumps(body), {"Content-Type": "application/json"})
+        return conn, conn.getresponse()
+
+    conn, r = post({"model": "tiny", "prompt": "the cat", "max_tokens": 400, "temperature": 0, "stream": True})
+    assert r.status == 200
+    got = 0
+    while got < 3:
+        line = r.readline()
+        assert line, "the stream ended early"
+        if line.startswith(b"data: {"):
+            json.loads(line[6:])
+            got += 1
+    conn.close()  # hang up mid-stream
+    conn, r = post({"model": "tiny", "prompt": "a dog is", "max_tokens": 8, "temperature": 0})
+    assert r.status == 200
+    assert isinstance(json.loads(r.read())["choices"][0]["text"], str)
+    conn.close()

@@ -12,11 +12,13 @@ request never sees another's state). Malformed requests get a 4xx JSON error
 import json
 import threading
 import time
-from typing import Any, Iterator, List, Literal, Optional, Union
+from typing import Any, AsyncIterator, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import BitsplitError, ContextLimitError, InputError
+
+_END = object()  # the end of a stream, from next(it, _END)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -62,6 +64,7 @@ def create_app(llm, model_name: str):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import StreamingResponse
+    from starlette.concurrency import run_in_threadpool
 
     app = FastAPI(title="bitsplit", version="1")
     lock = threading.Lock()  # requests queue here: one generation at a time
@@ -87,38 +90,50 @@ def create_app(llm, model_name: str):
                     stream=req.stream)
 
     def run(fn, stream: bool):
-        """Call fn() holding the model; errors become 4xx/5xx JSON. A stream keeps the model until
-        it ends (or the client goes away)."""
-        lock.acquire()
-        try:
-            result = fn()
-        except (ContextLimitError, InputError, ValueError) as exc:
-            lock.release()
-            return _error(400, str(exc))
-        except BitsplitError as exc:
-            lock.release()
-            return _error(500, str(exc), typ="server_error")
-        except BaseException:
-            lock.release()
-            raise
-        if not stream:
-            lock.release()
-            return result
-
-        def events() -> Iterator[str]:
+        """Call fn() holding the model; errors become 4xx/5xx JSON. A stream takes the model when
+        its first chunk is asked for and keeps it until it ends or the client goes away."""
+        if stream:
+            return StreamingResponse(events(fn), media_type="text/event-stream")
+        with lock:
             try:
-                for chunk in result:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                yield "data: [DONE]\n\n"
+                return fn()
             except (ContextLimitError, InputError, ValueError) as exc:
-                yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'invalid_request_error'}})}\n\n"
-            finally:
-                close = getattr(result, "close", None)
-                if close is not None:
-                    close()
-                lock.release()
+                return _error(400, str(exc))
+            except BitsplitError as exc:
+                return _error(500, str(exc), typ="server_error")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+    async def events(fn) -> AsyncIterator[str]:
+        # The generation runs in worker threads, one chunk at a time. When the client goes away,
+        # Starlette cancels this task; the cancellation arrives once the chunk in progress is done
+        # (the thread is not abandoned), and `finally` ends the generation and frees the model. (A
+        # plain generator here was never closed after a disconnect: the model stayed locked for
+        # good.) The lock is taken here, not before the response starts, so that a response that is
+        # never iterated holds nothing.
+        acquired = False
+        result = None
+        try:
+            await run_in_threadpool(lock.acquire)
+            acquired = True
+            result = fn()
+            it = iter(result)
+            while True:
+                chunk = await run_in_threadpool(next, it, _END)
+                if chunk is _END:
+                    break
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        except (ContextLimitError, InputError, ValueError) as exc:
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'invalid_request_error'}})}\n\n"
+        except BitsplitError as exc:
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+        finally:
+            close = getattr(result, "close", None)
+            try:
+                if close is not None:
+                    close()  # ends the generation (and frees its KV rows)
+            finally:
+                if acquired:
+                    lock.release()
 
     @app.post("/v1/completions")
     def completions(req: CompletionRequest):
