@@ -203,17 +203,24 @@ def serve(
     tree_nodes: str = typer.Option("auto", "--tree-nodes"),
     n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl"),
     threads: Optional[int] = THREADS,
+    queue: int = typer.Option(8, "--queue", help="Requests that may wait for the model; more get 503."),
+    queue_wait: float = typer.Option(300.0, "--queue-wait", help="Seconds a request may wait; then 503."),
 ) -> None:
-    """Serve a split model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions)."""
+    """Serve a split model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
+    /v1/chat/completions, /health). One generation at a time; SIGINT or SIGTERM stop it cleanly."""
     from .formats.modeldir import validate_split
     from .api.server import serve as run_server
 
     if not 0 < port < 65536:
         raise InvalidOptionError(f"--port: {port} is not a TCP port (1..65535)")
+    if queue < 0:
+        raise InvalidOptionError(f"--queue: {queue} is negative (0: no request waits)")
+    if not queue_wait > 0:
+        raise InvalidOptionError(f"--queue-wait: {queue_wait} must be a positive number of seconds")
     validate_split(model_dir)
     print(f"serving {model_dir} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
-    run_server(str(model_dir), host=host, port=port, model_name=model_name, n_ctx=n_ctx,
-               tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers, n_threads=threads)
+    run_server(str(model_dir), host=host, port=port, model_name=model_name, n_ctx=n_ctx, queue=queue,
+               wait_s=queue_wait, tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers, n_threads=threads)
 
 
 @app.command()

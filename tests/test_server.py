@@ -15,17 +15,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_split):
+def _start(app):
     import uvicorn
 
-    from bitsplit_llama import BitsplitLlama
-    from bitsplit_llama.api.server import create_app
-
-    llm = BitsplitLlama(tiny_split, n_ctx=512, verbose=False, tree_nodes=8)
     port = _free_port()
-    cfg = uvicorn.Config(create_app(llm, "tiny"), host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(cfg)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     for _ in range(200):
@@ -33,10 +27,26 @@ def server(tiny_split):
             break
         time.sleep(0.05)
     assert srv.started
-    yield f"http://127.0.0.1:{port}/v1"
+    return srv, th, f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_split):
+    from bitsplit_llama import BitsplitLlama
+
+    m = BitsplitLlama(tiny_split, n_ctx=512, verbose=False, tree_nodes=8)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    from bitsplit_llama.api.server import create_app
+
+    srv, th, url = _start(create_app(llm, "tiny"))
+    yield url
     srv.should_exit = True
     th.join(timeout=10)
-    llm.close()
 
 
 @pytest.fixture()
@@ -112,31 +122,143 @@ def test_concurrent_requests_queue(client):
     assert out == seq
 
 
-def test_dropped_stream_frees_the_model(server):
-    """A client that reads three chunks of a stream and hangs up must not keep the model: the next
-    request is answered (it used to wait forever: the stream's generator was never closed)."""
+def _open(url: str, body: dict, path: str = "/completions"):
     import http.client
     import json
     from urllib.parse import urlparse
 
-    u = urlparse(server)
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", f"{u.path}{path}", json.dumps(body), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
 
-    def post(body: dict) -> http.client.HTTPResponse:
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        conn.request("POST", f"{u.path}/completions", json.dumps(body), {"Content-Type": "application/json"})
-        return conn, conn.getresponse()
 
-    conn, r = post({"model": "tiny", "prompt": "the cat", "max_tokens": 400, "temperature": 0, "stream": True})
-    assert r.status == 200
+def _health(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url.rsplit("/v1", 1)[0] + "/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _wait_idle(url: str) -> None:
+    for _ in range(600):
+        if _health(url) == {"status": "ok", "queue": 0}:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server stayed busy: {_health(url)}")
+
+
+def _read_chunks(r, n: int) -> None:
+    import json
+
     got = 0
-    while got < 3:
+    while got < n:
         line = r.readline()
         assert line, "the stream ended early"
         if line.startswith(b"data: {"):
             json.loads(line[6:])
             got += 1
+
+
+def test_health(server):
+    assert _health(server) == {"status": "ok", "queue": 0}
+
+
+def test_dropped_stream_frees_the_model(server, llm):
+    """A client that reads three chunks of a stream and hangs up must not keep the model: its
+    generation stops and the next request is answered (it used to wait forever: the stream's
+    generator was never closed)."""
+    import json
+
+    conn, r = _open(server, {"model": "tiny", "prompt": "the cat", "max_tokens": 400, "temperature": 0,
+                             "stream": True, "stop": []})
+    assert r.status == 200
+    _read_chunks(r, 3)
     conn.close()  # hang up mid-stream
-    conn, r = post({"model": "tiny", "prompt": "a dog is", "max_tokens": 8, "temperature": 0})
+    _wait_idle(server)
+    conn, r = _open(server, {"model": "tiny", "prompt": "a dog is", "max_tokens": 8, "temperature": 0})
     assert r.status == 200
     assert isinstance(json.loads(r.read())["choices"][0]["text"], str)
     conn.close()
+
+
+def test_dropped_plain_request_stops_its_generation(server, llm):
+    """A non-streaming request whose client hangs up is stopped at the next cycle, not run to the
+    end (the whole greedy generation, about a second here, is measured first)."""
+    _wait_idle(server)  # the model is free: use it directly
+    llm.create_completion("the cat", max_tokens=480, temperature=0, stop=[])
+    n_full = llm.last_stats.n_emitted
+    assert n_full > 100
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    u = urlparse(server)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", f"{u.path}/completions", json.dumps({"model": "tiny", "prompt": "the cat", "max_tokens": 480,
+                                                               "temperature": 0, "stop": []}),
+                 {"Content-Type": "application/json"})
+    for _ in range(400):  # until it runs
+        if _health(server)["status"] == "busy":
+            break
+        time.sleep(0.01)
+    conn.close()
+    _wait_idle(server)
+    assert llm.last_stats.n_emitted < n_full
+
+
+def test_full_queue_is_503_with_retry_after(llm, tiny_split):
+    """With the model busy and no room to wait (--queue 0), a request is refused at once with 503
+    and Retry-After; the stream holding the model is unaffected."""
+    import json
+
+    from bitsplit_llama.api.server import create_app
+
+    srv, th, url = _start(create_app(llm, "tiny", queue=0))
+    try:
+        conn, r = _open(url, {"model": "tiny", "prompt": "the cat", "max_tokens": 400, "temperature": 0,
+                              "stream": True, "stop": []})
+        _read_chunks(r, 2)
+        assert _health(url)["status"] == "busy"
+        c2, r2 = _open(url, {"model": "tiny", "prompt": "a dog", "max_tokens": 4})
+        assert r2.status == 503 and r2.getheader("Retry-After")
+        assert "busy" in json.loads(r2.read())["error"]["message"]
+        c2.close()
+        _read_chunks(r, 2)  # the stream goes on
+        conn.close()
+        _wait_idle(url)
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+
+
+def test_sigterm_during_a_stream_exits_cleanly(tiny_split):
+    """`bitsplit serve`, SIGTERM while a stream runs: the generation stops, the process exits with
+    status 0 (uvicorn used to wait for the stream for good)."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bitsplit_llama.cli", "serve", str(tiny_split), "--port", str(port),
+                             "--n-ctx", "512"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        for _ in range(600):
+            try:
+                if _health(url)["status"] == "ok":
+                    break
+            except OSError:
+                time.sleep(0.1)
+        conn, r = _open(url, {"model": "tiny", "prompt": "the cat", "max_tokens": 400, "temperature": 0,
+                              "stream": True, "stop": []})
+        _read_chunks(r, 2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        conn.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -62,6 +62,8 @@ def _make_class():
             self.verbose = verbose
             self._stack = contextlib.ExitStack()
             self.model_dir = Path(model_dir)
+            # set by a server for the generation it runs: when set, generate() stops at the next cycle
+            self.cancel_event: "threading.Event | None" = None
             self._gen = Generator(model_dir, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                   tree_nodes=tree_nodes, precision=precision, verbose=verbose, n_batch=n_batch,
                                   drafter=drafter)
@@ -151,6 +153,9 @@ def _make_class():
             try:
                 first = True
                 for chunk in chunks:
+                    cancel = self.cancel_event
+                    if cancel is not None and cancel.is_set():
+                        return  # the caller gave up (a server whose client went away): stop here
                     if first:  # the lock is held from here: llama_cpp.Llama's callers read input_ids[:n_tokens]
                         self.input_ids[:len(tokens)] = tokens
                         self.n_tokens = len(tokens)

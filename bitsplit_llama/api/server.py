@@ -4,12 +4,16 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 ``"stream": true`` answered as server-sent events (``data: {...}`` lines, then ``data: [DONE]``).
 Responses are llama-cpp-python's own (``BitsplitLlama`` reuses its completion layer).
 
-One model, one KV cache: requests are served one at a time, in arrival order; others wait (a
-request never sees another's state). Malformed requests get a 4xx JSON error
-(``{"error": {"message", "type", "param"}}``), never a crash.
+One model, one KV cache: requests are served one at a time; others wait in a bounded queue
+(``queue`` waiting at most, each for at most ``wait_s`` seconds; past either, 503 with
+``Retry-After``). A client that goes away (streaming or not) has its generation stopped at the next
+draft/verify cycle. ``GET /health`` says ``{"status": "ok"|"busy", "queue": N}``. Malformed
+requests get a 4xx JSON error (``{"error": {"message", "type", "param"}}``), never a crash.
 """
 
+import asyncio
 import json
+import signal
 import threading
 import time
 from typing import Any, AsyncIterator, List, Literal, Optional, Union
@@ -19,6 +23,48 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import BitsplitError, ContextLimitError, InputError
 
 _END = object()  # the end of a stream, from next(it, _END)
+DEFAULT_QUEUE = 8
+DEFAULT_WAIT_S = 300.0
+DISCONNECT_POLL_S = 0.2
+
+
+class QueueFull(Exception):
+    """No room to wait, or waited too long: answered 503."""
+
+
+class Cancelled(Exception):
+    """The client went away while waiting."""
+
+
+class Gate:
+    """One generation at a time; at most ``depth`` requests waiting, each at most ``wait_s``."""
+
+    def __init__(self, depth: int, wait_s: float, shutdown: threading.Event):
+        if depth < 0 or not wait_s > 0:
+            raise ValueError(f"queue depth {depth} / wait {wait_s} s: need depth >= 0 and wait > 0")
+        self.depth, self.wait_s, self.shutdown = depth, wait_s, shutdown
+        self.lock = threading.Lock()
+        self._m = threading.Lock()
+        self.waiting = 0
+
+    def acquire(self, cancel: threading.Event) -> None:
+        with self._m:
+            if self.lock.locked() and self.waiting >= self.depth:
+                raise QueueFull(f"the server is busy: {self.waiting} request(s) already waiting (--queue {self.depth})")
+            self.waiting += 1
+        try:
+            deadline = time.monotonic() + self.wait_s
+            while not self.lock.acquire(timeout=0.05):
+                if cancel.is_set() or self.shutdown.is_set():
+                    raise Cancelled()
+                if time.monotonic() > deadline:
+                    raise QueueFull(f"the server is busy: waited {self.wait_s:g} s for the model")
+        finally:
+            with self._m:
+                self.waiting -= 1
+
+    def release(self) -> None:
+        self.lock.release()
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -59,15 +105,45 @@ def _error(status: int, message: str, typ: str = "invalid_request_error", param:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": typ, "param": param}})
 
 
-def create_app(llm, model_name: str):
-    """A FastAPI app serving ``llm`` (a BitsplitLlama, or any llama_cpp.Llama) as ``model_name``."""
+def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: float = DEFAULT_WAIT_S,
+               shutdown: Optional[threading.Event] = None):
+    """A FastAPI app serving ``llm`` (a BitsplitLlama, or any llama_cpp.Llama: then a client that
+    goes away does not stop its generation) as ``model_name``. ``shutdown``, when set, stops every
+    generation at its next cycle. The app's ``state.gate`` holds the model's lock."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import StreamingResponse
     from starlette.concurrency import run_in_threadpool
 
     app = FastAPI(title="bitsplit", version="1")
-    lock = threading.Lock()  # requests queue here: one generation at a time
+    shutdown = shutdown if shutdown is not None else threading.Event()
+    gate = Gate(queue, wait_s, shutdown)  # requests queue here: one generation at a time
+    app.state.gate = gate
+
+    class _Once:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self):
+            fn, self.fn = self.fn, None
+            if fn is not None:
+                fn()
+
+    class _Stream(StreamingResponse):
+        """A stream that frees the model however it ends, even if its body never started."""
+
+        def __init__(self, body, on_close):
+            super().__init__(body, media_type="text/event-stream")
+            self.on_close = on_close
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                try:
+                    await self.body_iterator.aclose()
+                finally:
+                    self.on_close()
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -79,6 +155,10 @@ def create_app(llm, model_name: str):
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return _error(422, f"{loc or 'request'}: {first.get('msg', 'invalid request')}", param=loc or None)
 
+    @app.get("/health")
+    def health():
+        return {"status": "busy" if gate.lock.locked() else "ok", "queue": gate.waiting}
+
     @app.get("/v1/models")
     def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -89,34 +169,81 @@ def create_app(llm, model_name: str):
                     top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop or [],
                     stream=req.stream)
 
-    def run(fn, stream: bool):
-        """Call fn() holding the model; errors become 4xx/5xx JSON. A stream takes the model when
-        its first chunk is asked for and keeps it until it ends or the client goes away."""
-        if stream:
-            return StreamingResponse(events(fn), media_type="text/event-stream")
-        with lock:
+    def busy(exc: Exception):
+        r = _error(503, str(exc), typ="server_busy")
+        r.headers["Retry-After"] = "5"
+        return r
+
+    def locked_call(fn, cancel: threading.Event):
+        """fn() holding the model, with the generation's cancel flag set on it (a BitsplitLlama stops
+        at the next cycle once it is set)."""
+        gate.acquire(cancel)
+        try:
+            if cancel.is_set():
+                raise Cancelled()
+            llm.cancel_event = cancel
             try:
                 return fn()
-            except (ContextLimitError, InputError, ValueError) as exc:
-                return _error(400, str(exc))
-            except BitsplitError as exc:
-                return _error(500, str(exc), typ="server_error")
+            finally:
+                llm.cancel_event = None
+        finally:
+            gate.release()
 
-    async def events(fn) -> AsyncIterator[str]:
-        # The generation runs in worker threads, one chunk at a time. When the client goes away,
-        # Starlette cancels this task; the cancellation arrives once the chunk in progress is done
-        # (the thread is not abandoned), and `finally` ends the generation and frees the model. (A
-        # plain generator here was never closed after a disconnect: the model stayed locked for
-        # good.) The lock is taken here, not before the response starts, so that a response that is
-        # never iterated holds nothing.
-        acquired = False
-        result = None
+    def watch_shutdown(cancel: threading.Event) -> None:
+        if shutdown.is_set():
+            cancel.set()
+
+    async def run(fn, stream: bool, request):
+        """Run fn() for a request; errors become 4xx/5xx JSON. A non-streaming request is watched
+        for its client going away; a stream ends when its client does."""
+        cancel = threading.Event()
+        watch_shutdown(cancel)
+        if stream:
+            # wait for the model here, so that a full queue is a 503 before any byte is sent
+            try:
+                await run_in_threadpool(gate.acquire, cancel)
+            except QueueFull as exc:
+                return busy(exc)
+            except Cancelled:
+                return busy(QueueFull("the server is shutting down"))
+            return _Stream(events(fn, cancel), on_close=_Once(gate.release))
+        task = asyncio.ensure_future(run_in_threadpool(locked_call, fn, cancel))
         try:
-            await run_in_threadpool(lock.acquire)
-            acquired = True
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if shutdown.is_set() or await request.is_disconnected():
+                    cancel.set()  # the generation stops at its next cycle; nobody reads the answer
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+        try:
+            return task.result()
+        except QueueFull as exc:
+            return busy(exc)
+        except Cancelled:
+            if shutdown.is_set():
+                return busy(QueueFull("the server is shutting down"))
+            return _error(499, "the client went away", typ="cancelled")
+        except (ContextLimitError, InputError, ValueError) as exc:
+            return _error(400, str(exc))
+        except BitsplitError as exc:
+            return _error(500, str(exc), typ="server_error")
+
+    async def events(fn, cancel: threading.Event) -> AsyncIterator[str]:
+        # Holding the model (run() took it). The generation runs in worker threads, one chunk at a
+        # time. When the client goes away, Starlette cancels this task; the cancellation arrives once
+        # the chunk in progress is done (the thread is not abandoned), and `finally` ends the
+        # generation; _Stream then frees the model. (A plain generator here was never closed after a
+        # disconnect: the model stayed locked for good.)
+        result = None
+        llm.cancel_event = cancel
+        try:
             result = fn()
             it = iter(result)
             while True:
+                watch_shutdown(cancel)
                 chunk = await run_in_threadpool(next, it, _END)
                 if chunk is _END:
                     break
@@ -127,43 +254,65 @@ def create_app(llm, model_name: str):
         except BitsplitError as exc:
             yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
         finally:
+            cancel.set()
+            llm.cancel_event = None
             close = getattr(result, "close", None)
-            try:
-                if close is not None:
-                    close()  # ends the generation (and frees its KV rows)
-            finally:
-                if acquired:
-                    lock.release()
+            if close is not None:
+                close()  # ends the generation (and frees its KV rows)
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         prompt = req.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
                 return _error(400, f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt")
             prompt = prompt[0]
         kw = sampling_kwargs(req)
-        return run(lambda: llm.create_completion(prompt, echo=req.echo, model=model_name, **kw), req.stream)
+        return await run(lambda: llm.create_completion(prompt, echo=req.echo, model=model_name, **kw), req.stream,
+                         request)
 
     @app.post("/v1/chat/completions")
-    def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         kw = sampling_kwargs(req)
-        return run(lambda: llm.create_chat_completion(messages=messages, model=model_name, **kw), req.stream)
+        return await run(lambda: llm.create_chat_completion(messages=messages, model=model_name, **kw), req.stream,
+                         request)
 
     return app
 
 
 def serve(model_dir: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: Optional[str] = None,
-          log_level: str = "info", **llama_kwargs) -> None:
-    """Load the split model and serve it until interrupted."""
+          log_level: str = "info", queue: int = DEFAULT_QUEUE, wait_s: float = DEFAULT_WAIT_S,
+          **llama_kwargs) -> None:
+    """Load the split model and serve it until SIGINT or SIGTERM: then every generation stops at
+    its next cycle, waiting requests get 503, and the model is freed once nothing uses it."""
     import uvicorn
 
     from .llama import get_class
 
+    shutdown = threading.Event()
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # the first signal: stop generating at once
+            shutdown.set()
+            super().handle_exit(sig, frame)
+
     llm = get_class()(model_dir, verbose=False, **llama_kwargs)
+    app = None
     try:
-        app = create_app(llm, model_name or str(model_dir).rstrip("/").split("/")[-1])
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        app = create_app(llm, model_name or str(model_dir).rstrip("/").split("/")[-1], queue=queue, wait_s=wait_s,
+                         shutdown=shutdown)
+        # uvicorn re-raises the signal that stopped it once it is done, into the handler it found:
+        # make that a no-op, so that a clean stop frees the model and exits 0
+        main = threading.current_thread() is threading.main_thread()
+        quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
+        finally:
+            for sig, handler in quiet.items():
+                signal.signal(sig, handler)
     finally:
-        llm.close()
+        shutdown.set()
+        # a worker thread may still be finishing its cycle: free the model after it
+        if app is None or app.state.gate.lock.acquire(timeout=60):
+            llm.close()
