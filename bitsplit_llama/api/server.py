@@ -26,6 +26,7 @@ _END = object()  # the end of a stream, from next(it, _END)
 DEFAULT_QUEUE = 8
 DEFAULT_WAIT_S = 300.0
 DISCONNECT_POLL_S = 0.2
+MAX_BODY_BYTES = 8 << 20  # a body declared larger than this is refused (413) before it is read
 
 
 class QueueFull(Exception):
@@ -154,6 +155,24 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
             return _error(400, f"request body: invalid JSON ({first.get('ctx', {}).get('error', 'decode error')})")
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return _error(422, f"{loc or 'request'}: {first.get('msg', 'invalid request')}", param=loc or None)
+
+    class _BodyLimit:
+        """A body declared larger than MAX_BODY_BYTES gets 413 before it is read. (Plain ASGI: an
+        @app.middleware("http") wrapper hides the client's disconnect from the endpoints.)"""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                size = dict(scope.get("headers") or ()).get(b"content-length")
+                if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+                    msg = f"request body: {size.decode(errors='replace')} bytes; at most {MAX_BODY_BYTES} are accepted"
+                    await _error(413, msg)(scope, receive, send)
+                    return
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(_BodyLimit)
 
     @app.get("/health")
     def health():
