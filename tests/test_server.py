@@ -179,6 +179,28 @@ def test_oversized_body_is_413(server):
     conn.close()
 
 
+def test_loading_is_503(tiny_split):
+    """Before the model is there, /health says loading (503, as llama-server) and requests get 503."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from bitsplit_llama.api.server import create_app
+
+    app = create_app(None, "tiny")
+    srv, th, url = _start(app)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            _health(url)
+        assert ei.value.code == 503 and json.loads(ei.value.read()) == {"status": "loading", "queue": 0}
+        conn, r = _open(url, {"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert r.status == 503 and r.getheader("Retry-After") and "loading" in json.loads(r.read())["error"]["message"]
+        conn.close()
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+
+
 def test_health(server):
     assert _health(server) == {"status": "ok", "queue": 0}
 

@@ -7,7 +7,8 @@ Responses are llama-cpp-python's own (``BitsplitLlama`` reuses its completion la
 One model, one KV cache: requests are served one at a time; others wait in a bounded queue
 (``queue`` waiting at most, each for at most ``wait_s`` seconds; past either, 503 with
 ``Retry-After``). A client that goes away (streaming or not) has its generation stopped at the next
-draft/verify cycle. ``GET /health`` says ``{"status": "ok"|"busy", "queue": N}``. Malformed
+draft/verify cycle. ``GET /health`` says ``{"status": "ok"|"busy", "queue": N}`` (503
+``"loading"`` until the model is loaded). Malformed
 requests get a 4xx JSON error (``{"error": {"message", "type", "param"}}``), never a crash.
 """
 
@@ -109,8 +110,10 @@ def _error(status: int, message: str, typ: str = "invalid_request_error", param:
 def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: float = DEFAULT_WAIT_S,
                shutdown: Optional[threading.Event] = None):
     """A FastAPI app serving ``llm`` (a BitsplitLlama, or any llama_cpp.Llama: then a client that
-    goes away does not stop its generation) as ``model_name``. ``shutdown``, when set, stops every
-    generation at its next cycle. The app's ``state.gate`` holds the model's lock."""
+    goes away does not stop its generation) as ``model_name``. ``llm`` may be None while the model
+    loads: set ``app.state.llm`` when it is ready (until then /health says "loading" and requests get
+    503). ``shutdown``, when set, stops every generation at its next cycle. The app's
+    ``state.gate`` holds the model's lock."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import StreamingResponse
@@ -120,6 +123,7 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
     shutdown = shutdown if shutdown is not None else threading.Event()
     gate = Gate(queue, wait_s, shutdown)  # requests queue here: one generation at a time
     app.state.gate = gate
+    app.state.llm = llm
 
     class _Once:
         def __init__(self, fn):
@@ -174,8 +178,17 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
 
     app.add_middleware(_BodyLimit)
 
+    def loading():
+        r = _error(503, "the model is loading", typ="loading")
+        r.headers["Retry-After"] = "5"
+        return r
+
     @app.get("/health")
     def health():
+        if app.state.llm is None:
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse(status_code=503, content={"status": "loading", "queue": 0})
         return {"status": "busy" if gate.lock.locked() else "ok", "queue": gate.waiting}
 
     @app.get("/v1/models")
@@ -200,6 +213,7 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
         try:
             if cancel.is_set():
                 raise Cancelled()
+            llm = app.state.llm
             llm.cancel_event = cancel
             try:
                 return fn()
@@ -215,6 +229,8 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
     async def run(fn, stream: bool, request):
         """Run fn() for a request; errors become 4xx/5xx JSON. A non-streaming request is watched
         for its client going away; a stream ends when its client does."""
+        if app.state.llm is None:
+            return loading()
         cancel = threading.Event()
         watch_shutdown(cancel)
         if stream:
@@ -257,6 +273,7 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
         # generation; _Stream then frees the model. (A plain generator here was never closed after a
         # disconnect: the model stayed locked for good.)
         result = None
+        llm = app.state.llm
         llm.cancel_event = cancel
         try:
             result = fn()
@@ -287,14 +304,14 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
                 return _error(400, f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt")
             prompt = prompt[0]
         kw = sampling_kwargs(req)
-        return await run(lambda: llm.create_completion(prompt, echo=req.echo, model=model_name, **kw), req.stream,
+        return await run(lambda: app.state.llm.create_completion(prompt, echo=req.echo, model=model_name, **kw), req.stream,
                          request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         kw = sampling_kwargs(req)
-        return await run(lambda: llm.create_chat_completion(messages=messages, model=model_name, **kw), req.stream,
+        return await run(lambda: app.state.llm.create_chat_completion(messages=messages, model=model_name, **kw), req.stream,
                          request)
 
     return app
@@ -303,35 +320,57 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
 def serve(model_dir: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: Optional[str] = None,
           log_level: str = "info", queue: int = DEFAULT_QUEUE, wait_s: float = DEFAULT_WAIT_S,
           **llama_kwargs) -> None:
-    """Load the split model and serve it until SIGINT or SIGTERM: then every generation stops at
-    its next cycle, waiting requests get 503, and the model is freed once nothing uses it."""
+    """Serve the split model until SIGINT or SIGTERM. The model loads while the server already
+    answers (/health: "loading", requests 503); a model that fails to load stops the server and
+    its error is raised here. On a signal every generation stops at its next cycle, waiting
+    requests get 503, and the model is freed once nothing uses it."""
     import uvicorn
 
     from .llama import get_class
 
     shutdown = threading.Event()
+    failed: list[BaseException] = []
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # the first signal: stop generating at once
             shutdown.set()
             super().handle_exit(sig, frame)
 
-    llm = get_class()(model_dir, verbose=False, **llama_kwargs)
-    app = None
+    app = create_app(None, model_name or str(model_dir).rstrip("/").split("/")[-1], queue=queue, wait_s=wait_s,
+                     shutdown=shutdown)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
+
+    def load() -> None:  # while the server answers /health with "loading"
+        try:
+            llm = get_class()(model_dir, verbose=False, **llama_kwargs)
+        except BaseException as exc:  # noqa: BLE001 (re-raised by serve())
+            failed.append(exc)
+            server.should_exit = True
+            return
+        if shutdown.is_set():
+            llm.close()
+        else:
+            app.state.llm = llm
+
+    loader = threading.Thread(target=load, name="bitsplit-load", daemon=True)
+    loader.start()
     try:
-        app = create_app(llm, model_name or str(model_dir).rstrip("/").split("/")[-1], queue=queue, wait_s=wait_s,
-                         shutdown=shutdown)
         # uvicorn re-raises the signal that stopped it once it is done, into the handler it found:
         # make that a no-op, so that a clean stop frees the model and exits 0
         main = threading.current_thread() is threading.main_thread()
         quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
-            _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
+            server.run()
         finally:
             for sig, handler in quiet.items():
                 signal.signal(sig, handler)
     finally:
         shutdown.set()
+        loader.join()
+        llm = app.state.llm
         # a worker thread may still be finishing its cycle: free the model after it
-        if app is None or app.state.gate.lock.acquire(timeout=60):
+        if llm is not None and app.state.gate.lock.acquire(timeout=60):
+            app.state.llm = None
             llm.close()
+    if failed:
+        raise failed[0]
