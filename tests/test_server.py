@@ -99,7 +99,9 @@ def test_malformed_requests_get_4xx_json(server):
         assert status == code, (body, status, obj)
         assert "message" in obj["error"]
     status, obj = _post(f"{server}/completions", json.dumps({"prompt": "x " * 600, "max_tokens": 4}).encode())
-    assert status == 400 and "context" in obj["error"]["message"].lower()
+    # both numbers: the prompt's tokens and the context (--n-ctx 512, not the KV size with its reserve)
+    msg = obj["error"]["message"]
+    assert status == 400 and "context holds 512" in msg and "prompt has" in msg, msg
     # the server is still fine
     with urllib.request.urlopen(f"{server}/models", timeout=30) as r:
         assert r.status == 200

@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from ..speculative.engine import Stats
-from ..errors import InvalidOptionError
+from ..errors import ContextLimitError, InvalidOptionError
+
+
+class ContextWindowError(ContextLimitError, ValueError):
+    """A prompt longer than the context: a ContextLimitError, and the ValueError llama_cpp.Llama raises."""
 from ..speculative.sampling import SamplingParams
 
 
@@ -170,6 +175,18 @@ def _make_class():
                             return
             finally:
                 chunks.close()
+
+        def _create_completion(self, *args, **kwargs):
+            # llama_cpp.Llama checks the prompt against our n_ctx but names its context's size,
+            # which includes the KV cells reserved for tree rows: name the user's (still a ValueError)
+            try:
+                yield from super()._create_completion(*args, **kwargs)
+            except ValueError as exc:
+                m = re.match(r"Requested tokens \((\d+)\) exceed context window", str(exc))
+                if m is None:
+                    raise
+                raise ContextWindowError(f"the prompt has {m.group(1)} tokens; the context holds {self._n_ctx} "
+                                         f"(n_ctx), and at least one must be left to generate") from None
 
         @property
         def last_stats(self) -> Stats | None:
