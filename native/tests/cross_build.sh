@@ -11,16 +11,9 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 CC=${CROSS_CC:-aarch64-linux-gnu-gcc}
 command -v "$CC" >/dev/null || { echo "cross_build: $CC not found (apt-get install gcc-aarch64-linux-gnu)" >&2; exit 1; }
-INC=$("$PY" - <<'PY'
-import os, llama_cpp
-pkg = os.path.dirname(os.path.abspath(llama_cpp.__file__))
-for cand in (os.path.join(os.path.dirname(pkg), "include"), os.path.join(pkg, "include")):
-    if os.path.exists(os.path.join(cand, "ggml.h")):
-        print(cand)
-        break
-PY
-)
-[[ -n "$INC" ]] || { echo "cross_build: ggml headers of llama-cpp-python not found" >&2; exit 1; }
+# the headers the library is built against: the same lookup as bitsplit_llama.native.build
+INC=$("$PY" -c 'from bitsplit_llama.native.build import _llama_paths; print(_llama_paths()[0])') ||
+    { echo "cross_build: ggml headers of llama-cpp-python not found (is bitsplit-llama installed for $PY?)" >&2; exit 1; }
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/bitsplit-cross.XXXXXX")
 trap 'rm -rf "$OUT"' EXIT
 cd "$ROOT"

@@ -55,16 +55,9 @@ else
 fi
 command -v "$CC" >/dev/null || skip "native C compiler $CC not found"
 
-INC=$("$PYTHON" - <<'PY'
-import os, llama_cpp
-pkg = os.path.dirname(os.path.abspath(llama_cpp.__file__))
-for cand in (os.path.join(os.path.dirname(pkg), "include"), os.path.join(pkg, "include")):
-    if os.path.exists(os.path.join(cand, "ggml.h")):
-        print(cand)
-        break
-PY
-)
-[[ -n "$INC" ]] || { echo "neon_qemu: ggml headers of llama-cpp-python not found" >&2; exit 1; }
+# the headers the library is built against: the same lookup as bitsplit_llama.native.build
+INC=$("$PYTHON" -c 'from bitsplit_llama.native.build import _llama_paths; print(_llama_paths()[0])') ||
+    { echo "neon_qemu: ggml headers of llama-cpp-python not found (is bitsplit-llama installed for $PYTHON?)" >&2; exit 1; }
 
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/bitsplit-neon-qemu.XXXXXX")
 trap 'rm -rf "$OUT"' EXIT

@@ -238,4 +238,50 @@ INL void iscales(int t, const uint8_t * b, __m256i * S, float * d, float * O) {
 
 INL size_t toff(int t, int64_t k) { return (size_t)(k / T_BLCK[t]) * (size_t)T_SIZE[t]; }
 
+/* values per unit of a product of these codes: 256 where a superblock type is in it (then
+ * K % 256 == 0), else 32 (T_NONE's block is 1) */
+static inline int unit_of(int bt, int rt) { return (T_BLCK[bt] == 256 || T_BLCK[rt] == 256) ? 256 : 32; }
+
+/* whether this CPU runs the AVX2 families: AVX2 + FMA + F16C */
+static int avx2_cpu_cached = -1;
+
+static bool avx2_fma_f16c(void) {
+    if (avx2_cpu_cached < 0) {
+        __builtin_cpu_init();
+        avx2_cpu_cached =
+            __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+    return avx2_cpu_cached == 1;
+}
+
+/* the sum of 8 lanes, in a fixed order */
+TGT static inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* One compiled body per (base type, residual type) of a family's rows_body(job, bt, rt, r0, r1,
+ * scratch), so that the decoders' switches fold away, and rows_for(job): the job's body, or NULL
+ * for types the families do not take. Expand once, after rows_body. */
+typedef void (*avx2_rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
+#define AVX2_BODY(B, R) \
+    TGT static void rows_##B##_##R(const bs_job * j, int64_t r0, int64_t r1, bs_scratch * s) { rows_body(j, B, R, r0, r1, s); }
+#define AVX2_BODIES(B) AVX2_BODY(B, T_NONE) AVX2_BODY(B, T_Q6_K) AVX2_BODY(B, T_Q8_0)
+#define AVX2_ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0}
+#define AVX2_ROW_BODIES                                                                                          \
+    AVX2_BODIES(T_Q2_K) AVX2_BODIES(T_Q3_K) AVX2_BODIES(T_Q4_K) AVX2_BODIES(T_Q5_K) AVX2_BODIES(T_Q6_K)          \
+    AVX2_BODIES(T_Q8_0) AVX2_BODIES(T_Q4_0) AVX2_BODIES(T_Q4_1) AVX2_BODY(T_NONE, T_Q6_K) AVX2_BODY(T_NONE, T_Q8_0) \
+    /* [base code][0: unused, 1: no residual, 2: Q6_K residual, 3: Q8_0 residual] */                             \
+    static const avx2_rows_fn BODY_TABLE[T_COUNT][4] = {                                                        \
+        {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0},                                                   \
+        AVX2_ROW(T_Q2_K), AVX2_ROW(T_Q3_K), AVX2_ROW(T_Q4_K), AVX2_ROW(T_Q5_K), AVX2_ROW(T_Q6_K),               \
+        AVX2_ROW(T_Q8_0), AVX2_ROW(T_Q4_0), AVX2_ROW(T_Q4_1),                                                   \
+    };                                                                                                          \
+    static avx2_rows_fn rows_for(const bs_job * job) {                                                          \
+        const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);                          \
+        const int col = rt == T_NONE ? 1 : rt == T_Q6_K ? 2 : rt == T_Q8_0 ? 3 : -1;                            \
+        return bt < 0 || col < 0 ? NULL : BODY_TABLE[bt][col];                                                  \
+    }
+
 #endif

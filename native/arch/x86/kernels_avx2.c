@@ -34,16 +34,6 @@
  * falsely alias stores to another (4K aliasing) */
 #define WS (KC + 16)
 
-static int cpu_avx2 = -1;
-
-static bool avx2_cpu(void) {
-    if (cpu_avx2 < 0) {
-        __builtin_cpu_init();
-        cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return cpu_avx2 == 1;
-}
-
 static bool avx2_supports(const bs_job * job) { return bs_f32_family_supports(job); }
 
 static size_t avx2_acts_size(const bs_job * job) {
@@ -175,12 +165,6 @@ MICRO(4, 1)
 MICRO(1, 2)
 MICRO(1, 1)
 
-TGT static inline float hsum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 /* Ask for the next chunk's weights while this one is computed: the rows are read a chunk at a
  * time, several rows side by side, a pattern the hardware prefetchers follow too late (measured:
  * most of the time stalled on the first touch of each block without it). */
@@ -206,7 +190,7 @@ INL void rows_body(const bs_job * job, int bt, int rt, int64_t r0, int64_t r1, b
         return;
     }
     /* units of 256 values where a superblock type is involved (then K % 256 == 0), else of 32 */
-    const int unit = (T_BLCK[bt] == 256 || T_BLCK[rt] == 256) ? 256 : 32;
+    const int unit = unit_of(bt, rt);
     /* scratch: the decoded chunk (RB rows x KC, 32-byte aligned), then RB x nc accumulators */
     const size_t wbytes = nc > 1 ? (size_t)RB * WS * sizeof(float) : 0;
     uint8_t * mem = bs_scratch_get(scratch, wbytes + (size_t)RB * (size_t)(nc > 0 ? nc : 1) * sizeof(__m256) + 64);
@@ -269,34 +253,15 @@ INL void rows_body(const bs_job * job, int bt, int rt, int64_t r0, int64_t r1, b
     }
 }
 
-/* one compiled body per (base type, residual type): the decoders' switches fold away */
-typedef void (*rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
-#define BODY(B, R) \
-    TGT static void rows_##B##_##R(const bs_job * j, int64_t r0, int64_t r1, bs_scratch * s) { rows_body(j, B, R, r0, r1, s); }
-#define BODIES(B) BODY(B, T_NONE) BODY(B, T_Q6_K) BODY(B, T_Q8_0)
-BODIES(T_Q2_K) BODIES(T_Q3_K) BODIES(T_Q4_K) BODIES(T_Q5_K) BODIES(T_Q6_K) BODIES(T_Q8_0) BODIES(T_Q4_0) BODIES(T_Q4_1)
-BODY(T_NONE, T_Q6_K) BODY(T_NONE, T_Q8_0)
-#define ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0}
-/* [base code][0: unused, 1: no residual, 2: Q6_K residual, 3: Q8_0 residual] */
-static const rows_fn BODY_TABLE[T_COUNT][4] = {
-    {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0},
-    ROW(T_Q2_K), ROW(T_Q3_K), ROW(T_Q4_K), ROW(T_Q5_K), ROW(T_Q6_K), ROW(T_Q8_0), ROW(T_Q4_0), ROW(T_Q4_1),
-};
-
-static rows_fn body_for(const bs_job * job) {
-    const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);
-    const int col = rt == T_NONE ? 1 : rt == T_Q6_K ? 2 : rt == T_Q8_0 ? 3 : -1;
-    if (bt < 0 || col < 0) return NULL;
-    return BODY_TABLE[bt][col];
-}
+AVX2_ROW_BODIES
 
 static void avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
-    const rows_fn f = body_for(job);
+    const avx2_rows_fn f = rows_for(job);
     if (f != NULL) f(job, r0, r1, scratch); /* avx2_supports admitted the job */
 }
 
 const bs_kernel_family bs_family_avx2_f32 = {
-    "avx2-f32", BS_ISA_AVX2, avx2_cpu, avx2_supports, avx2_acts_size, avx2_prepare_acts, avx2_rows,
+    "avx2-f32", BS_ISA_AVX2, avx2_fma_f16c, avx2_supports, avx2_acts_size, avx2_prepare_acts, avx2_rows,
     0, /* not a drafter: no measurement yet that it beats llama.cpp's Q2_K kernel at draft batches */
 };
 

@@ -43,27 +43,15 @@
 
 #define XMAX2 32512 /* 255*127 + 127: two base-255 digits in [-127, 127] */
 #define XMAX1 127   /* one digit (the fast drafter) */
-#define PF_AHEAD 1024
-#define FUSED_COLS 4 /* up to here each pair of columns decodes the weights again, in registers */ /* bytes of each row read ahead of the unit being computed */
-
-static int cpu_avx2 = -1;
-
-static bool int16_cpu(void) {
-    if (cpu_avx2 < 0) {
-        __builtin_cpu_init();
-        cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return cpu_avx2 == 1;
-}
+#define PF_AHEAD 1024  /* bytes of each row read ahead of the unit being computed */
+#define FUSED_COLS 4   /* up to here each pair of columns decodes the weights again, in registers */
 
 /* the same jobs avx2-f32 takes (the types a split holds, rows a multiple of their block) */
 static bool int16_supports(const bs_job * job) { return bs_f32_family_supports(job); }
 
-/* values per activation block (and per unit of weights): 256 where a superblock type is in the
- * product (then K % 256 == 0), else 32 */
+/* values per activation block: those of a unit of weights (unit_of), for a job the family takes */
 static int64_t qa_of(const bs_job * job) {
-    const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);
-    return ((bt > 0 && T_BLCK[bt] == 256) || (rt > 0 && T_BLCK[rt] == 256)) ? 256 : 32;
+    return unit_of(tcode(job->w2, job->w2_type), tcode(job->r, job->r_type));
 }
 
 /* one column's activations: digits d0[K], d1[K], then xs16[K/16] (sums of X over 16 values, exact
@@ -241,12 +229,6 @@ INL __m256 sums_end(int t, bool coarse, int ng, const sums * a, const unit_buf *
     return _mm256_add_ps(v, _mm256_castps128_ps256(_mm_mul_ps(o, x)));
 }
 
-TGT static inline float hsum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 INL void prefetch_ahead(const uint8_t * p, size_t n, const uint8_t * end) {
     for (size_t o = 0; o < n; o += 64) {
         if (p + PF_AHEAD + o < end) _mm_prefetch((const char *)(p + PF_AHEAD + o), _MM_HINT_T0);
@@ -309,7 +291,7 @@ INL void rows_body(const bs_job * job, int bt, int rt, int64_t r0, int64_t r1, b
         return;
     }
     const bool coarse = rt == T_NONE; /* base alone: the fast drafter's 8-bit activations */
-    const int qa = ((bt != T_NONE && T_BLCK[bt] == 256) || (rt != T_NONE && T_BLCK[rt] == 256)) ? 256 : 32;
+    const int qa = unit_of(bt, rt);
     const int ng = qa / 32;
     const size_t cb = col_bytes(job);
     uint8_t * mem = bs_scratch_get(scratch, 2 * sizeof(unit_buf) + (size_t)nc * sizeof(__m256) + 64);
@@ -373,31 +355,15 @@ INL void rows_body(const bs_job * job, int bt, int rt, int64_t r0, int64_t r1, b
     }
 }
 
-/* one compiled body per (base type, residual type): the decoders' switches fold away */
-typedef void (*rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
-#define BODY(B, R) \
-    TGT static void rows_##B##_##R(const bs_job * j, int64_t r0, int64_t r1, bs_scratch * s) { rows_body(j, B, R, r0, r1, s); }
-#define BODIES(B) BODY(B, T_NONE) BODY(B, T_Q6_K) BODY(B, T_Q8_0)
-BODIES(T_Q2_K) BODIES(T_Q3_K) BODIES(T_Q4_K) BODIES(T_Q5_K) BODIES(T_Q6_K) BODIES(T_Q8_0) BODIES(T_Q4_0) BODIES(T_Q4_1)
-BODY(T_NONE, T_Q6_K) BODY(T_NONE, T_Q8_0)
-#define ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0}
-/* [base code][0: unused, 1: no residual, 2: Q6_K residual, 3: Q8_0 residual] */
-static const rows_fn BODY_TABLE[T_COUNT][4] = {
-    {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0},
-    ROW(T_Q2_K), ROW(T_Q3_K), ROW(T_Q4_K), ROW(T_Q5_K), ROW(T_Q6_K), ROW(T_Q8_0), ROW(T_Q4_0), ROW(T_Q4_1),
-};
+AVX2_ROW_BODIES
 
 static void int16_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
-    const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);
-    const int col = rt == T_NONE ? 1 : rt == T_Q6_K ? 2 : rt == T_Q8_0 ? 3 : -1;
-    if (bt < 0 || col < 0 || BODY_TABLE[bt][col] == NULL) {
-        return; /* int16_supports admitted the job: cannot happen */
-    }
-    BODY_TABLE[bt][col](job, r0, r1, scratch);
+    const avx2_rows_fn f = rows_for(job);
+    if (f != NULL) f(job, r0, r1, scratch); /* int16_supports admitted the job */
 }
 
 const bs_kernel_family bs_family_avx2_int16 = {
-    "avx2-int16", BS_ISA_AVX2, int16_cpu, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
+    "avx2-int16", BS_ISA_AVX2, avx2_fma_f16c, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
     /* drafting (8-bit activations) from 4 columns: measured on Qwen2.5-Coder-1.5B's Q2_K base, 2-core
      * Zen 3 (python bench/draft_speed.py SPLIT --repeat 9): native/ggml time 1.26 at 1 column, 1.00
      * at 2, 1.07 at 3, 0.92 at 4 */
