@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "bs_internal.h"
 #include "ggml.h"
@@ -77,11 +78,46 @@ int bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode) {
     return BITSPLIT_OK;
 }
 
+int bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, bool on) {
+    if (ctx == NULL) {
+        return BITSPLIT_E_INVALID;
+    }
+    return bs_overlap_enable(ctx, on) ? BITSPLIT_OK : BITSPLIT_E_NOMEM;
+}
+
+/* ggml's abort hook: one message, then the process ends (see bitsplit_set_abort_message) */
+static char abort_msg[1024];
+
+static void on_ggml_abort(const char * message) {
+    /* async-signal-safe calls only: another thread may hold stdio's locks */
+    const size_t n = strnlen(abort_msg, sizeof(abort_msg));
+    ssize_t w = write(2, abort_msg, n);
+    w = write(2, "\n  llama.cpp: ", 14);
+    if (message != NULL) {
+        const size_t m = strnlen(message, 4096);
+        w = write(2, message, m > 0 && message[m - 1] == '\n' ? m - 1 : m);
+    }
+    w = write(2, "\n", 1);
+    (void)w;
+    _exit(1);
+}
+
+void bitsplit_set_abort_message(const char * msg) {
+    if (msg == NULL) {
+        ggml_set_abort_callback(NULL);
+        abort_msg[0] = '\0';
+        return;
+    }
+    snprintf(abort_msg, sizeof(abort_msg), "%s", msg);
+    ggml_set_abort_callback(on_ggml_abort);
+}
+
 int bitsplit_ctx_set_threads(bitsplit_ctx * ctx, int n_threads) {
     if (ctx == NULL || n_threads < 1 || n_threads > BS_MAX_THREADS) {
         return BITSPLIT_E_INVALID;
     }
     if (n_threads != ctx->n_threads) {
+        bs_overlap_drain(ctx);
         bs_pool_free(ctx->pool);
         ctx->pool = NULL;
         ctx->n_threads = n_threads;
@@ -104,6 +140,11 @@ void bitsplit_ctx_get_counters(const bitsplit_ctx * c, bitsplit_counters * out) 
     out->n_errors = atomic_load(&ctx->c_err);
     out->n_draft_products = atomic_load(&ctx->c_draft);
     out->ns_draft = atomic_load(&ctx->c_ns_draft);
+    out->bytes_from_device = atomic_load(&ctx->c_bdev_in);
+    out->bytes_to_device = atomic_load(&ctx->c_bdev_out);
+    out->ns_transfer = atomic_load(&ctx->c_ns_xfer);
+    out->n_overlapped = atomic_load(&ctx->c_overlap);
+    out->ns_wait = atomic_load(&ctx->c_ns_wait);
 }
 
 void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
@@ -120,6 +161,11 @@ void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
     atomic_store(&ctx->c_err, 0);
     atomic_store(&ctx->c_draft, 0);
     atomic_store(&ctx->c_ns_draft, 0);
+    atomic_store(&ctx->c_bdev_in, 0);
+    atomic_store(&ctx->c_bdev_out, 0);
+    atomic_store(&ctx->c_ns_xfer, 0);
+    atomic_store(&ctx->c_overlap, 0);
+    atomic_store(&ctx->c_ns_wait, 0);
 }
 
 int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size) {
@@ -155,6 +201,7 @@ int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, 
     job.y = y;
     job.ldy = e->ne[1];
     job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+    bs_overlap_drain(ctx);
     const int st = bs_run_on_pool(ctx, &job);
     if (st == BITSPLIT_OK) {
         bs_count_job(ctx, &job, t0, !with_base);

@@ -68,6 +68,11 @@ typedef struct bitsplit_counters {
     uint64_t n_errors;          /* graph nodes refused (recorded error; see bitsplit_ctx_take_error) */
     uint64_t n_draft_products;  /* base-only products computed here for the drafter (fast drafter) */
     uint64_t ns_draft;          /* wall time inside those, nanoseconds */
+    uint64_t bytes_from_device; /* add mode: activations and W2 . x read from device buffers */
+    uint64_t bytes_to_device;   /* add mode: corrected results written back to device buffers */
+    uint64_t ns_transfer;       /* wall time in those reads and writes, nanoseconds */
+    uint64_t n_overlapped;      /* add-mode products whose R . x ran while the device computed W2 . x */
+    uint64_t ns_wait;           /* time the graph waited for such an R . x after the device's part */
 } bitsplit_counters;
 
 const char * bitsplit_status_str(int status);
@@ -91,6 +96,11 @@ void bitsplit_ctx_set_draft_kernel(bitsplit_ctx * ctx, bool on);
 bool bitsplit_ctx_get_enabled(const bitsplit_ctx * ctx);
 int  bitsplit_ctx_set_precision(bitsplit_ctx * ctx, int precision);
 int  bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode);
+/* Add mode only: start R . x on this library's threads as soon as the product's input is computed
+ * (learned from the first pass: which graph nodes feed residual products), so that it runs while
+ * the device computes W2 . x; the sum is made when the device's node completes. Off: R . x starts
+ * after the device's node (one after the other). On by default. */
+int  bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, bool on);
 /* threads for work outside ggml's own thread pool (add mode, bitsplit_ctx_matmul) */
 int  bitsplit_ctx_set_threads(bitsplit_ctx * ctx, int n_threads);
 
@@ -99,6 +109,11 @@ void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx);
 /* BITSPLIT_OK, or the status of the first error recorded during evaluation (message in buf);
  * the error is cleared by this call. */
 int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size);
+
+/* From now on, a ggml abort (llama.cpp's RPC client aborts when it loses its server) writes msg
+ * and ggml's own message to stderr, one line each, and ends the process with status 1 (no stack
+ * trace, no core dump); NULL gives ggml its default back. msg is copied (at most 1023 bytes). */
+void bitsplit_set_abort_message(const char * msg);
 
 /* The llama.cpp / ggml scheduler eval callback; user_data is a bitsplit_ctx. */
 bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data);

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "bitsplit.h"
+#include "ggml-backend.h"
 #include "ggml.h"
 
 #define BS_MAX_THREADS 64
@@ -104,6 +105,8 @@ uint64_t bs_now_ns(void);
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct bs_pool bs_pool;
+typedef struct bs_overlap bs_overlap;
+#define BS_OVERLAP_MAX 8 /* products one activation may feed with its R . x started early */
 
 struct bitsplit_ctx {
     int fd_res, fd_base;
@@ -141,9 +144,13 @@ struct bitsplit_ctx {
     int n_threads;
     bs_pool * pool;
     bs_scratch host_x, host_y, host_d;
+    /* add mode: R . x started when its input is computed (overlap.c) */
+    bool overlap;
+    bs_overlap * ov;
 
     /* counters (updated by thread 0 of a product) */
     atomic_uint_fast64_t c_products, c_add, c_rows, c_cols, c_bres, c_bbase, c_ns, c_err, c_draft, c_ns_draft;
+    atomic_uint_fast64_t c_bdev_in, c_bdev_out, c_ns_xfer, c_overlap, c_ns_wait;
 
     pthread_mutex_t err_lock;
     int err_status;
@@ -171,6 +178,24 @@ void bs_count_job(struct bitsplit_ctx * ctx, const bs_job * job, uint64_t t0, bo
 void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t row0, int64_t N);
 /* a whole product on the library's own pool (add mode, bitsplit_ctx_matmul) */
 int bs_run_on_pool(struct bitsplit_ctx * ctx, bs_job * job);
+
+/* overlap.c: R . x on a runner thread while the device computes W2 . x (add mode) */
+bool bs_overlap_enable(struct bitsplit_ctx * ctx, bool on);
+void bs_overlap_free(struct bitsplit_ctx * ctx);
+/* wait until the runner is idle: before anything else uses the pool, acts, scratch or barrier */
+void bs_overlap_drain(struct bitsplit_ctx * ctx);
+/* first passes: remember that x feeds e's product */
+void bs_overlap_learn(struct bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs_entry * e);
+bool bs_overlap_is_feed(const struct bitsplit_ctx * ctx, const struct ggml_tensor * t);
+/* x is computed: copy it and start R . x of every product it feeds */
+void bs_overlap_start(struct bitsplit_ctx * ctx, const struct ggml_tensor * x);
+/* the device computed t = W2 . x: R . x for it (waiting for it if need be), or NULL if it was not
+ * started from this very x (then compute it now) */
+const float * bs_overlap_take(struct bitsplit_ctx * ctx, const struct ggml_tensor * t, const bs_entry * e);
+
+static inline bool bs_host_tensor(const struct ggml_tensor * t) {
+    return t->buffer != NULL && ggml_backend_buffer_is_host(t->buffer) && t->data != NULL;
+}
 
 /* hook.c: whether ggml's private custom-op parameters have the layout this library writes */
 bool bs_custom_layout_ok(void);

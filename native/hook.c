@@ -243,7 +243,7 @@ static void restore(struct ggml_tensor * t) {
  * ------------------------------------------------------------------------------------------- */
 
 static bool host(const struct ggml_tensor * t) {
-    return t->buffer != NULL && ggml_backend_buffer_is_host(t->buffer) && t->data != NULL;
+    return bs_host_tensor(t);
 }
 
 /* The residual entry for the weight of node t, after checking the graph's weight against it. */
@@ -285,6 +285,7 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
             t->type != GGML_TYPE_F32 || t->ne[0] != e->ne[0] || e->ne[2] != 1 || e->ne[3] != 1 || !ctx->replace_ok) {
             return true; /* add mode: observe, correct after the node is computed */
         }
+        bs_overlap_drain(ctx);
         mutate(t, op_get_rows, e);
         return false;
     }
@@ -301,6 +302,7 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
                 bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the product of '%s'", e->name);
                 return false;
             }
+            bs_overlap_drain(ctx);
             mutate(t, op_mul_mat, e);
             return false;
         }
@@ -322,6 +324,7 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
                 bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the experts of '%s'", e->name);
                 return false;
             }
+            bs_overlap_drain(ctx);
             mutate(t, op_mul_mat_id, e);
             return false;
         }
@@ -348,11 +351,24 @@ static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     if (bs_draft_policy(&job) == NULL) {
         return false; /* ggml's own kernel is as fast or faster here */
     }
+    bs_overlap_drain(ctx);
     if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64)) {
         return false; /* out of memory: ggml's own kernel will do */
     }
     mutate(t, op_mul_mat_base, e);
     return false;
+}
+
+/* bytes moved between a device buffer and the host (none for host tensors); t0: when it started,
+ * 0 to count the bytes alone */
+static void count_transfer(bitsplit_ctx * ctx, const struct ggml_tensor * t, size_t bytes, bool to_host,
+                           uint64_t t0) {
+    if (!host(t)) {
+        atomic_fetch_add(to_host ? &ctx->c_bdev_in : &ctx->c_bdev_out, bytes);
+    }
+    if (t0 != 0) {
+        atomic_fetch_add(&ctx->c_ns_xfer, bs_now_ns() - t0);
+    }
 }
 
 /* ask == false for an observed node: add R . x (the node holds W2 . x, possibly on a device) */
@@ -376,8 +392,11 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
             bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
             return true;
         }
+        const uint64_t tx = bs_now_ns();
         ggml_backend_tensor_get(x, ids, 0, (size_t)n * sizeof(int32_t));
         ggml_backend_tensor_get(t, rows, 0, (size_t)(n * K) * sizeof(float));
+        count_transfer(ctx, x, (size_t)n * sizeof(int32_t), true, 0);
+        count_transfer(ctx, t, (size_t)(n * K) * sizeof(float), true, tx);
         for (int64_t i = 0; i < n; i++) {
             if (ids[i] < 0 || ids[i] >= e->n_rows) {
                 bs_record_error(ctx, BITSPLIT_E_INVALID, "token id %d out of range for '%s'", ids[i], e->name);
@@ -388,7 +407,9 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
                 rows[i * K + k] += tmp[i * K + k];
             }
         }
+        const uint64_t ts = bs_now_ns();
         ggml_backend_tensor_set(t, rows, 0, (size_t)(n * K) * sizeof(float));
+        count_transfer(ctx, t, (size_t)(n * K) * sizeof(float), false, ts);
         atomic_fetch_add(&ctx->c_rows, 1);
         return true;
     }
@@ -398,49 +419,62 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
         return true;
     }
     const int64_t n_cols = ggml_nrows(x), K = e->ne[0], N = e->ne[1];
-    const float * xs = NULL;
-    float * ys = NULL;
-    float * delta = bs_scratch_get(&ctx->host_d, (size_t)(n_cols * N) * sizeof(float));
-    if (host(x)) {
-        xs = x->data;
-    } else {
-        float * buf = bs_scratch_get(&ctx->host_x, (size_t)(n_cols * K) * sizeof(float));
-        if (buf != NULL) {
-            ggml_backend_tensor_get(x, buf, 0, (size_t)(n_cols * K) * sizeof(float));
-        }
-        xs = buf;
-    }
-    if (host(t)) {
-        ys = t->data;
-    } else {
-        ys = bs_scratch_get(&ctx->host_y, (size_t)(n_cols * N) * sizeof(float));
-    }
-    if (xs == NULL || ys == NULL || delta == NULL) {
-        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
-        return true;
-    }
+    const size_t ybytes = (size_t)(n_cols * N) * sizeof(float);
+    bs_overlap_learn(ctx, x, e);
+    /* R . x: started when x was computed (overlap), or computed now */
+    const float * delta = bs_overlap_take(ctx, t, e);
     bs_job job;
-    bs_fill_job(&job, e, NULL, 0, N);
-    job.x = xs;
-    job.ldx = K;
-    job.n_cols = n_cols;
-    job.y = delta;
-    job.ldy = N;
-    job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
-    if (bs_run_on_pool(ctx, &job) != BITSPLIT_OK) {
+    if (delta == NULL) {
+        bs_overlap_drain(ctx);
+        float * d = bs_scratch_get(&ctx->host_d, ybytes);
+        const float * xs = NULL;
+        if (host(x)) {
+            xs = x->data;
+        } else {
+            float * buf = bs_scratch_get(&ctx->host_x, (size_t)(n_cols * K) * sizeof(float));
+            if (buf != NULL) {
+                const uint64_t tx = bs_now_ns();
+                ggml_backend_tensor_get(x, buf, 0, (size_t)(n_cols * K) * sizeof(float));
+                count_transfer(ctx, x, (size_t)(n_cols * K) * sizeof(float), true, tx);
+            }
+            xs = buf;
+        }
+        if (xs == NULL || d == NULL) {
+            bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
+            return true;
+        }
+        bs_fill_job(&job, e, NULL, 0, N);
+        job.x = xs;
+        job.ldx = K;
+        job.n_cols = n_cols;
+        job.y = d;
+        job.ldy = N;
+        job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+        if (bs_run_on_pool(ctx, &job) != BITSPLIT_OK) {
+            bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
+            return true;
+        }
+        bs_count_job(ctx, &job, t0, true);
+        delta = d;
+    }
+    float * ys = host(t) ? t->data : bs_scratch_get(&ctx->host_y, ybytes);
+    if (ys == NULL) {
         bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
         return true;
     }
     if (!host(t)) {
-        ggml_backend_tensor_get(t, ys, 0, (size_t)(n_cols * N) * sizeof(float));
+        const uint64_t tx = bs_now_ns();
+        ggml_backend_tensor_get(t, ys, 0, ybytes);
+        count_transfer(ctx, t, ybytes, true, tx);
     }
     for (int64_t i = 0; i < n_cols * N; i++) {
         ys[i] += delta[i];
     }
     if (!host(t)) {
-        ggml_backend_tensor_set(t, ys, 0, (size_t)(n_cols * N) * sizeof(float));
+        const uint64_t tx = bs_now_ns();
+        ggml_backend_tensor_set(t, ys, 0, ybytes);
+        count_transfer(ctx, t, ybytes, false, tx);
     }
-    bs_count_job(ctx, &job, t0, true);
     return true;
 }
 
@@ -464,11 +498,17 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) 
         if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_GET_ROWS || t->op == GGML_OP_MUL_MAT_ID) {
             return ask_node(ctx, t);
         }
-        return false;
+        /* the input of residual products (learned): stop here to start their R . x early */
+        return bs_overlap_is_feed(ctx, t);
     }
     /* returning false would abort the graph: always continue */
     if (atomic_load_explicit(&ctx->enabled, memory_order_relaxed) && !is_ours(t)) {
-        add_residual(ctx, t);
+        if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_GET_ROWS || t->op == GGML_OP_MUL_MAT_ID) {
+            add_residual(ctx, t);
+        }
+        if (bs_overlap_is_feed(ctx, t)) {
+            bs_overlap_start(ctx, t);
+        }
     }
     return true;
 }

@@ -278,6 +278,7 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
     g_res = g_base = NULL;
     meta_res = meta_base = NULL;
     ctx->replace_ok = bs_custom_layout_ok();
+    bs_overlap_enable(ctx, true); /* add mode's default; without memory for it, products run in turn */
     {
         int cap;
         if (!bs_isa_cap(&cap)) {
@@ -314,6 +315,7 @@ void bitsplit_ctx_free(bitsplit_ctx * ctx) {
     if (ctx == NULL) {
         return;
     }
+    bs_overlap_free(ctx);
     bs_pool_free(ctx->pool);
     for (int i = 0; i < BS_MAX_THREADS; i++) {
         free(ctx->scratch[i].buf);

@@ -25,4 +25,10 @@ def kernel_name() -> str:
     return ffi.string(lib.bitsplit_kernel_name()).decode()
 
 
-__all__ = ["build_key", "load", "source_dir", "sources", "status_text", "callback_address", "kernel_name"]
+def set_abort_message(message: str | None) -> None:
+    """From now on, a llama.cpp abort prints ``message`` (and llama.cpp's own line) and exits 1."""
+    ffi, lib = load()
+    lib.bitsplit_set_abort_message(ffi.NULL if message is None else message.encode()[:1023])
+
+
+__all__ = ["set_abort_message", "build_key", "load", "source_dir", "sources", "status_text", "callback_address", "kernel_name"]

@@ -33,6 +33,11 @@ class Counters:
     n_errors: int
     n_draft_products: int = 0
     seconds_draft: float = 0.0
+    bytes_from_device: int = 0   # add mode: activations and W2 . x read from device buffers
+    bytes_to_device: int = 0     # add mode: corrected results written back
+    seconds_transfer: float = 0.0
+    n_overlapped: int = 0        # add-mode products whose R . x ran while the device computed W2 . x
+    seconds_wait: float = 0.0    # time the graph waited for those after the device's part
 
 
 def _raise(status: int, message: str) -> None:
@@ -120,6 +125,12 @@ class Residual:
             raise InvalidOptionError(f"mode '{mode}' unknown (expected one of: {', '.join(MODES)})")
         self._lib.bitsplit_ctx_set_mode(self.ptr, MODES[mode])
 
+    def set_overlap(self, on: bool) -> None:
+        """Add mode: start R . x when its input is computed, beside the device's W2 . x (default on)."""
+        st = self._lib.bitsplit_ctx_set_overlap(self.ptr, bool(on))
+        if st != 0:
+            _raise(st, "out of memory for the overlap's tables")
+
     def set_threads(self, n: int) -> None:
         if self._lib.bitsplit_ctx_set_threads(self.ptr, int(n)) != 0:
             raise InvalidOptionError(f"threads: {n} is not in 1..64")
@@ -147,7 +158,8 @@ class Residual:
         c = self._ffi.new("bitsplit_counters *")
         self._lib.bitsplit_ctx_get_counters(self.ptr, c)
         return Counters(c.n_products, c.n_add_products, c.n_get_rows, c.n_columns, c.bytes_residual, c.bytes_base,
-                        c.ns_inside / 1e9, c.n_errors, c.n_draft_products, c.ns_draft / 1e9)
+                        c.ns_inside / 1e9, c.n_errors, c.n_draft_products, c.ns_draft / 1e9, c.bytes_from_device,
+                        c.bytes_to_device, c.ns_transfer / 1e9, c.n_overlapped, c.ns_wait / 1e9)
 
     def reset_counters(self) -> None:
         self._lib.bitsplit_ctx_reset_counters(self.ptr)

@@ -1018,6 +1018,39 @@ static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mte
         bitsplit_ctx_get_counters(ctx, &c);
         CHECK(c.n_add_products == 1 && c.n_products == 0 && c.n_errors == 0, "%s: add-mode counters", what);
     }
+    /* overlap: once the callback has seen that the node named "x.feed" is Y's input, it asks for
+     * that node, starts R . x when it is computed and adds it when Y is */
+    static int feed_id = 0;
+    ggml_format_name(X, "x.feed.%d", feed_id++); /* a new name each time: what was learned stays */
+    CHECK(bitsplit_eval_callback(X, true, ctx) == false, "%s: not yet known as an input", what);
+    CHECK(bitsplit_eval_callback(Y, true, ctx) == true && bitsplit_eval_callback(Y, false, ctx) == true,
+          "%s: add mode (learning)", what);
+    for (int round = 0; round < 2; round++) {
+        bitsplit_ctx_reset_counters(ctx);
+        memset(Y->data, 0, ggml_nbytes(Y));
+        CHECK(bitsplit_eval_callback(X, true, ctx) == true, "%s: the input is asked for (overlap)", what);
+        CHECK(bitsplit_eval_callback(X, false, ctx) == true, "%s: the input's R . x starts", what);
+        CHECK(bitsplit_eval_callback(Y, true, ctx) == true && bitsplit_eval_callback(Y, false, ctx) == true,
+              "%s: add mode (overlapped)", what);
+        double ratio;
+        int64_t where;
+        CHECK(excess((const float *)Y->data, ref, A, N * n_cols, rel_tol(eff), 1e-5, &ratio, &where) <= 0,
+              "%s: overlapped add-mode result", what);
+        bitsplit_counters c;
+        bitsplit_ctx_get_counters(ctx, &c);
+        CHECK(c.n_add_products == 1 && c.n_overlapped == 1 && c.n_errors == 0, "%s: overlap counters (%llu)", what,
+              (unsigned long long)c.n_overlapped);
+    }
+    /* a batch started and never used (the graph went elsewhere) is dropped before anything else
+     * uses the pool: here a plain product, then the replace path */
+    CHECK(bitsplit_eval_callback(X, false, ctx) == true, "%s: an unused start", what);
+    CHECK(bitsplit_ctx_matmul(ctx, mt->r->name, x, n_cols, y1, false) == BITSPLIT_OK, "%s: matmul after", what);
+    CHECK(bitsplit_eval_callback(X, false, ctx) == true, "%s: another unused start", what);
+    CHECK(bitsplit_ctx_set_overlap(ctx, false) == BITSPLIT_OK, "%s: overlap off", what);
+    CHECK(bitsplit_eval_callback(X, true, ctx) == false, "%s: overlap off: the input is not asked for", what);
+    CHECK(bitsplit_ctx_set_overlap(ctx, true) == BITSPLIT_OK && bitsplit_ctx_set_overlap(NULL, true) ==
+          BITSPLIT_E_INVALID, "%s: overlap on", what);
+    ggml_set_name(X, "");
     CHECK(bitsplit_ctx_set_mode(ctx, BITSPLIT_MODE_AUTO) == BITSPLIT_OK, "set_mode auto");
 
     /* the fast drafter (where the library has it): residual off, W2 . x computed here by the integer

@@ -1,0 +1,287 @@
+/*
+ * Add mode, side by side: R . x on the host while the device computes W2 . x.
+ *
+ * ggml's scheduler asks the eval callback about each node before computing it and calls it again
+ * after computing the ones it asked for (it synchronises the device there). In add mode the graph
+ * computes W2 . x on the device, and the callback adds R . x afterwards: one after the other. Here,
+ * the first pass learns which graph nodes are the input x of residual products (by node name:
+ * "attn_norm-3" feeds layer 3's Q, K and V). On later passes the callback asks for such a node
+ * itself, so the scheduler stops right after computing it; x is copied to the host and a runner
+ * thread computes R . x for each of its products, in graph order, on this library's pool, while the
+ * device goes on with W2 . x. When the device's product node completes, the callback waits for that
+ * product's R . x (if still running), adds it, and writes the sum back.
+ *
+ * Every use is checked: the product's input must be the very node the batch was started from, with
+ * the same number of columns; otherwise the product is computed after the fact as before. The
+ * runner shares the pool, the activation buffer, the scratch and the barrier with every other use
+ * of them, so those wait for it first (bs_overlap_drain).
+ */
+#define _GNU_SOURCE
+#include "bitsplit.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bs_internal.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#define FEED_SLOTS 2048 /* open addressing over node names; a graph has ~4 feeds per layer */
+#define FEED_MAX BS_OVERLAP_MAX
+
+typedef struct {
+    char name[GGML_MAX_NAME];
+    const bs_entry * e[FEED_MAX];
+    int n;
+} feed;
+
+struct bs_overlap {
+    feed * feeds;
+    int n_feeds;
+
+    pthread_t thread;
+    bool started;
+    pthread_mutex_t lock;
+    pthread_cond_t cv_work, cv_done;
+    bool stop;
+    uint64_t generation; /* bumped per batch */
+    int n_jobs, n_done;  /* the current batch: jobs submitted, jobs finished */
+
+    /* the current batch (written by the graph's thread while the runner is idle) */
+    const struct ggml_tensor * x;
+    int64_t n_cols;
+    bs_job jobs[FEED_MAX];
+    uint64_t ns[FEED_MAX]; /* time each job took on the runner */
+    const bs_entry * e[FEED_MAX];
+    bool taken[FEED_MAX];
+    void * xbuf;
+    size_t xcap;
+    void * ybuf;
+    size_t ycap;
+};
+
+static uint64_t hash_name(const char * s) {
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++) {
+        h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    }
+    return h;
+}
+
+static feed * find_feed(bs_overlap * ov, const char * name, bool insert) {
+    if (ov == NULL || ov->feeds == NULL || name[0] == '\0' || strlen(name) >= GGML_MAX_NAME) {
+        return NULL;
+    }
+    for (uint64_t i = hash_name(name) % FEED_SLOTS, k = 0; k < FEED_SLOTS; i = (i + 1) % FEED_SLOTS, k++) {
+        feed * f = &ov->feeds[i];
+        if (f->name[0] == '\0') {
+            if (!insert || ov->n_feeds >= FEED_SLOTS / 2) {
+                return NULL;
+            }
+            strcpy(f->name, name);
+            ov->n_feeds++;
+            return f;
+        }
+        if (strcmp(f->name, name) == 0) {
+            return f;
+        }
+    }
+    return NULL;
+}
+
+static void * runner(void * p) {
+    bitsplit_ctx * ctx = p;
+    bs_overlap * ov = ctx->ov;
+    pthread_mutex_lock(&ov->lock);
+    for (;;) {
+        while (!ov->stop && ov->n_done == ov->n_jobs) {
+            pthread_cond_wait(&ov->cv_work, &ov->lock);
+        }
+        if (ov->stop) {
+            break;
+        }
+        const int i = ov->n_done;
+        pthread_mutex_unlock(&ov->lock);
+        const uint64_t t0 = bs_now_ns();
+        if (bs_run_on_pool(ctx, &ov->jobs[i]) != BITSPLIT_OK) {
+            ov->jobs[i].y = NULL; /* out of memory: the product is computed after the fact */
+        }
+        ov->ns[i] = bs_now_ns() - t0;
+        pthread_mutex_lock(&ov->lock);
+        ov->n_done++;
+        pthread_cond_broadcast(&ov->cv_done);
+    }
+    pthread_mutex_unlock(&ov->lock);
+    return NULL;
+}
+
+bool bs_overlap_enable(bitsplit_ctx * ctx, bool on) {
+    if (!on) {
+        bs_overlap_drain(ctx);
+        ctx->overlap = false;
+        return true;
+    }
+    if (ctx->ov == NULL) {
+        bs_overlap * ov = calloc(1, sizeof(*ov));
+        if (ov == NULL || (ov->feeds = calloc(FEED_SLOTS, sizeof(feed))) == NULL) {
+            free(ov);
+            return false;
+        }
+        pthread_mutex_init(&ov->lock, NULL);
+        pthread_cond_init(&ov->cv_work, NULL);
+        pthread_cond_init(&ov->cv_done, NULL);
+        ctx->ov = ov;
+    }
+    ctx->overlap = true;
+    return true;
+}
+
+void bs_overlap_free(bitsplit_ctx * ctx) {
+    bs_overlap * ov = ctx->ov;
+    if (ov == NULL) {
+        return;
+    }
+    if (ov->started) {
+        pthread_mutex_lock(&ov->lock);
+        ov->stop = true;
+        pthread_cond_broadcast(&ov->cv_work);
+        pthread_mutex_unlock(&ov->lock);
+        pthread_join(ov->thread, NULL);
+    }
+    pthread_mutex_destroy(&ov->lock);
+    pthread_cond_destroy(&ov->cv_work);
+    pthread_cond_destroy(&ov->cv_done);
+    free(ov->feeds);
+    free(ov->xbuf);
+    free(ov->ybuf);
+    free(ov);
+    ctx->ov = NULL;
+}
+
+void bs_overlap_drain(bitsplit_ctx * ctx) {
+    bs_overlap * ov = ctx->ov;
+    if (ov == NULL || !ov->started) {
+        return;
+    }
+    pthread_mutex_lock(&ov->lock);
+    while (ov->n_done < ov->n_jobs) {
+        pthread_cond_wait(&ov->cv_done, &ov->lock);
+    }
+    ov->x = NULL; /* whatever was not used is dropped */
+    pthread_mutex_unlock(&ov->lock);
+}
+
+void bs_overlap_learn(bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs_entry * e) {
+    if (!ctx->overlap) {
+        return;
+    }
+    feed * f = find_feed(ctx->ov, x->name, true);
+    if (f == NULL) {
+        return;
+    }
+    for (int i = 0; i < f->n; i++) {
+        if (f->e[i] == e) {
+            return;
+        }
+    }
+    if (f->n < FEED_MAX) {
+        f->e[f->n++] = e;
+    }
+}
+
+bool bs_overlap_is_feed(const bitsplit_ctx * ctx, const struct ggml_tensor * t) {
+    return ctx->overlap && ctx->ov->n_feeds > 0 && find_feed(ctx->ov, t->name, false) != NULL;
+}
+
+void bs_overlap_start(bitsplit_ctx * ctx, const struct ggml_tensor * x) {
+    bs_overlap * ov = ctx->ov;
+    bs_overlap_drain(ctx); /* the last batch is done with, used or not */
+    const feed * f = ctx->overlap ? find_feed(ov, x->name, false) : NULL;
+    if (f == NULL || f->n == 0 || x->type != GGML_TYPE_F32 || !ggml_is_contiguous(x) || x->data == NULL) {
+        return;
+    }
+    const int64_t K = x->ne[0], n_cols = ggml_nrows(x);
+    size_t ysize = 0;
+    for (int i = 0; i < f->n; i++) {
+        if (f->e[i]->ne[0] != K || f->e[i]->ne[2] != 1 || f->e[i]->ne[3] != 1) {
+            return; /* not what this node's products take */
+        }
+        ysize += (size_t)(n_cols * f->e[i]->ne[1]) * sizeof(float);
+    }
+    if (!ov->started) {
+        if (pthread_create(&ov->thread, NULL, runner, ctx) != 0) {
+            return;
+        }
+        ov->started = true;
+    }
+    const size_t xsize = (size_t)(n_cols * K) * sizeof(float);
+    if (!bs_ensure(&ov->xbuf, &ov->xcap, xsize) || !bs_ensure(&ov->ybuf, &ov->ycap, ysize)) {
+        return;
+    }
+    const uint64_t t0 = bs_now_ns();
+    ggml_backend_tensor_get(x, ov->xbuf, 0, xsize);
+    if (!bs_host_tensor(x)) {
+        atomic_fetch_add(&ctx->c_bdev_in, xsize);
+    }
+    atomic_fetch_add(&ctx->c_ns_xfer, bs_now_ns() - t0);
+    float * y = ov->ybuf;
+    for (int i = 0; i < f->n; i++) {
+        const bs_entry * e = f->e[i];
+        bs_job * job = &ov->jobs[i];
+        bs_fill_job(job, e, NULL, 0, e->ne[1]);
+        job->x = ov->xbuf;
+        job->ldx = K;
+        job->n_cols = n_cols;
+        job->y = y;
+        job->ldy = e->ne[1];
+        job->precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+        ov->e[i] = e;
+        ov->taken[i] = false;
+        y += n_cols * e->ne[1];
+    }
+    pthread_mutex_lock(&ov->lock);
+    ov->x = x;
+    ov->n_cols = n_cols;
+    ov->n_done = 0;
+    ov->n_jobs = f->n;
+    ov->generation++;
+    pthread_cond_broadcast(&ov->cv_work);
+    pthread_mutex_unlock(&ov->lock);
+}
+
+const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, const bs_entry * e) {
+    bs_overlap * ov = ctx->ov;
+    if (!ctx->overlap || ov == NULL || !ov->started) {
+        return NULL;
+    }
+    const struct ggml_tensor * x = t->src[1];
+    pthread_mutex_lock(&ov->lock);
+    int i = -1;
+    if (ov->x != NULL && ov->x == x && ov->n_cols == ggml_nrows(x)) {
+        for (int k = 0; k < ov->n_jobs; k++) {
+            if (ov->e[k] == e && !ov->taken[k]) {
+                i = k;
+                break;
+            }
+        }
+    }
+    if (i < 0) {
+        pthread_mutex_unlock(&ov->lock);
+        return NULL;
+    }
+    const uint64_t t0 = bs_now_ns();
+    while (ov->n_done <= i) {
+        pthread_cond_wait(&ov->cv_done, &ov->lock);
+    }
+    ov->taken[i] = true;
+    const bs_job * job = &ov->jobs[i];
+    pthread_mutex_unlock(&ov->lock);
+    atomic_fetch_add(&ctx->c_ns_wait, bs_now_ns() - t0);
+    if (job->y == NULL) {
+        return NULL;
+    }
+    bs_count_job(ctx, job, bs_now_ns() - ov->ns[i], true);
+    atomic_fetch_add(&ctx->c_overlap, 1);
+    return job->y;
+}
