@@ -44,6 +44,30 @@ def _positive_threads(value: Optional[int]) -> Optional[int]:
 THREADS = typer.Option(None, "--threads", "-t", help="Threads (default: all cores).", callback=_positive_threads)
 
 
+def _check_rpc(value: Optional[str]) -> Optional[str]:
+    if value is not None:
+        from .runtime.rpc import parse_endpoints
+
+        parse_endpoints(value)
+    return value
+
+
+def _check_rpc_timeout(value: float) -> float:
+    from .runtime.rpc import check_timeout
+
+    return check_timeout(value)
+
+
+#: where the base's layers go instead of this process: llama.cpp RPC servers (the device path without a GPU)
+RPC = typer.Option(None, "--rpc", callback=_check_rpc, metavar="HOST:PORT[,...]",
+                   help="llama.cpp RPC servers (see 'bitsplit rpc-server') that hold the base's layers (-ngl, default "
+                        "all); the residual stays here and completes each product in add mode.")
+RPC_TIMEOUT = typer.Option(60.0, "--rpc-timeout", callback=_check_rpc_timeout,
+                           help="Seconds an RPC server may take to answer; past that the run ends with an error.")
+NGL = typer.Option(None, "--n-gpu-layers", "-ngl",
+                   help="Base layers to offload to the GPU or the --rpc servers (default: 0, or all with --rpc).")
+
+
 def _print_json(obj: dict) -> None:
     print(json.dumps(obj, separators=(",", ":")), flush=True)
 
@@ -146,7 +170,9 @@ def run(
     tree_nodes: str = typer.Option("auto", "--tree-nodes",
                                    help="Draft tree size: 'auto' (best for this machine, measured once), or a number; 0 = verifier alone."),
     n_ctx: int = typer.Option(4096, "--n-ctx", help="Context size in tokens."),
-    n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl", help="Base layers to offload to the GPU."),
+    n_gpu_layers: Optional[int] = NGL,
+    rpc: Optional[str] = RPC,
+    rpc_timeout: float = RPC_TIMEOUT,
     threads: Optional[int] = THREADS,
     no_spec: bool = typer.Option(False, "--no-spec", help="Decode with the verifier alone, one token per step."),
     precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
@@ -162,11 +188,10 @@ def run(
     nodes = 0 if no_spec else _tree_nodes(tree_nodes)
     if n_predict < 0:
         raise InvalidOptionError(f"-n: {n_predict} is negative")
-    if n_gpu_layers < 0:
-        raise InvalidOptionError(f"--n-gpu-layers: {n_gpu_layers} is negative")
     results = []
     with Generator(model_dir, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, tree_nodes=nodes,
-                   precision=precision, verbose=verbose, drafter=drafter, log=_say) as gen:
+                   precision=precision, verbose=verbose, drafter=drafter, log=_say, rpc=rpc,
+                   rpc_timeout=rpc_timeout) as gen:
         if gen.auto_choice:
             _say(f"tree: {gen.shape.nodes} nodes (width {gen.shape.width}, {gen.shape.rounds} rounds), chosen for this "
                  f"machine: expected {gen.auto_choice['expected_tokens_per_second']} tokens/s")
@@ -201,7 +226,9 @@ def serve(
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id in the API (default: the directory's name)."),
     n_ctx: int = typer.Option(4096, "--n-ctx"),
     tree_nodes: str = typer.Option("auto", "--tree-nodes"),
-    n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl"),
+    n_gpu_layers: Optional[int] = NGL,
+    rpc: Optional[str] = RPC,
+    rpc_timeout: float = RPC_TIMEOUT,
     threads: Optional[int] = THREADS,
     queue: int = typer.Option(8, "--queue", help="Requests that may wait for the model; more get 503."),
     queue_wait: float = typer.Option(300.0, "--queue-wait", help="Seconds a request may wait; then 503."),
@@ -220,7 +247,8 @@ def serve(
     validate_split(model_dir)
     print(f"serving {model_dir} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
     run_server(str(model_dir), host=host, port=port, model_name=model_name, n_ctx=n_ctx, queue=queue,
-               wait_s=queue_wait, tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers, n_threads=threads)
+               wait_s=queue_wait, tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers, n_threads=threads,
+               rpc=rpc, rpc_timeout=rpc_timeout)
 
 
 @app.command()
@@ -231,7 +259,9 @@ def chat(
     n_predict: int = typer.Option(512, "-n", "--n-predict", help="Tokens per reply at most."),
     n_ctx: int = typer.Option(4096, "--n-ctx"),
     tree_nodes: str = typer.Option("auto", "--tree-nodes"),
-    n_gpu_layers: int = typer.Option(0, "--n-gpu-layers", "-ngl"),
+    n_gpu_layers: Optional[int] = NGL,
+    rpc: Optional[str] = RPC,
+    rpc_timeout: float = RPC_TIMEOUT,
     threads: Optional[int] = THREADS,
     seed: Optional[int] = typer.Option(None, "--seed"),
 ) -> None:
@@ -242,7 +272,8 @@ def chat(
     validate_split(model_dir)
     _sampling(temp, 40, 0.95, 0.05, seed)  # validates the values
     llm = get_class()(model_dir, n_ctx=n_ctx, tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers,
-                      n_threads=threads, verbose=False, seed=seed if seed is not None else 0xFFFFFFFF)
+                      n_threads=threads, verbose=False, seed=seed if seed is not None else 0xFFFFFFFF, rpc=rpc,
+                      rpc_timeout=rpc_timeout)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     print(f"chatting with {model_dir} ({llm.chat_format}); /reset clears the conversation, /exit or Ctrl-D quits",
           file=sys.stderr)
@@ -291,6 +322,13 @@ def bench(
     kernel: Optional[str] = typer.Option(None, "--kernel", help="Native kernel family for decode passes (default: by tree size)."),
     drafter: str = typer.Option("auto", "--drafter",
                                 help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
+    n_gpu_layers: Optional[int] = typer.Option(None, "--n-gpu-layers", "-ngl",
+                                               help="Base layers of bitsplit on the GPU or the --rpc servers (stock "
+                                                    "llama.cpp stays on this CPU)."),
+    rpc: Optional[str] = RPC,
+    rpc_timeout: float = RPC_TIMEOUT,
+    overlap: bool = typer.Option(True, "--overlap/--no-overlap",
+                                 help="With --rpc: compute R . x beside the device's W2 . x (default) or after it."),
     with_no_spec: bool = typer.Option(False, "--with-no-spec",
                                       help="Also run bitsplit's verifier alone on every prompt, interleaved in the same run."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of the runs."),
@@ -304,7 +342,8 @@ def bench(
         check_plot_path(plot_path)
     rep = run_bench(model_dir, vs, prompts=load_prompts(prompts), n_predict=n_predict, temp=temp, threads=threads,
                     repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
-                    drafter=drafter, with_no_spec=with_no_spec, log=None if quiet or as_json else _say)
+                    drafter=drafter, with_no_spec=with_no_spec, log=None if quiet or as_json else _say, rpc=rpc,
+                    rpc_timeout=rpc_timeout, overlap=overlap, n_gpu_layers=n_gpu_layers)
     s = rep.summary()
     if plot_path is not None:
         plot(rep, plot_path)
@@ -377,7 +416,10 @@ def doctor(
     per machine and native build, then cached)."""
     from .tools.machine import machine_profile
 
+    from .runtime import rpc as rpc_mod
+
     p = machine_profile(refresh=refresh, quick=quick, threads=threads, log=_say)
+    p["rpc_backend"] = rpc_mod.available()  # of the installed llama-cpp-python, not cached
     if as_json:
         _print_json(p)
         return
@@ -398,6 +440,8 @@ def doctor(
     for d in p["devices"]:
         mem = f", {_fmt_bytes(d['memory_total_bytes'])}" if d["memory_total_bytes"] else ""
         print(f"device       {d['name']}: {d['description']} ({d['type']}{mem})")
+    print("rpc          " + ("llama.cpp's RPC backend is built in (bitsplit rpc-server, --rpc HOST:PORT)" if p["rpc_backend"]
+                             else f"not built in (--rpc unavailable); to add it: {rpc_mod.REBUILD}"))
     s = p["synthetic"]
     print(f"products     one pass over {s['tensors']} tensors of {s['ne0']}x{s['ne1']}: residual Q6_K "
           f"{s['residual_bytes'] / 1e6:.0f} MB, base Q2_K {s['base_bytes'] / 1e6:.0f} MB ({p['size']} profile"
@@ -427,6 +471,13 @@ def eval_(
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Score at most this many chunks."),
     threads: Optional[int] = THREADS,
     precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
+    rpc: Optional[str] = typer.Option(None, "--rpc", callback=_check_rpc, metavar="HOST:PORT[,...]",
+                                      help="Also score the verifier with its base on these llama.cpp RPC servers "
+                                           "(add mode), next to the all-local one."),
+    rpc_timeout: float = RPC_TIMEOUT,
+    n_gpu_layers: Optional[int] = typer.Option(None, "--n-gpu-layers", "-ngl",
+                                               help="Also score the verifier with this many base layers on the GPU "
+                                                    "(or the --rpc servers; default there: all)."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as one JSON line."),
 ) -> None:
@@ -439,7 +490,8 @@ def eval_(
         raise InvalidOptionError(f"--precision: '{precision}' unknown (expected one of: {', '.join(PRECISIONS)})")
     say = (lambda s: None) if quiet or as_json else (lambda s: print(s, file=sys.stderr, flush=True))
     rep = evaluate(model_dir, reference, text, vs=vs, n_ctx=n_ctx, max_chunks=chunks, threads=threads,
-                   precision=precision, log=say, progress=make_progress(quiet or as_json))
+                   precision=precision, log=say, progress=make_progress(quiet or as_json), rpc=rpc,
+                   rpc_timeout=rpc_timeout, n_gpu_layers=n_gpu_layers)
     if as_json:
         _print_json(rep.to_json())
         return
@@ -454,6 +506,39 @@ def eval_(
         t.add_row(m.name, f"{m.kl_mean:.5f}", f"{m.kl_mean_after_first:.5f}", f"{m.kl_p99:.4f}", f"{100 * m.top1:.2f}%",
                   f"{m.ppl:.4f}", f"{m.seconds:.0f} s")
     Console().print(t)
+
+
+@app.command("rpc-server")
+def rpc_server(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(50052, "--port"),
+    threads: Optional[int] = THREADS,
+    cache: Optional[Path] = typer.Option(None, "--cache", help="A directory where the server caches tensors it "
+                                         "was sent (llama.cpp's -c): a model's second load skips the transfer."),
+) -> None:
+    """A llama.cpp RPC server backed by this machine's CPU, in the foreground (Ctrl-C stops it): a
+    device for '--rpc HOST:PORT'. The protocol has no authentication: keep it on loopback or a
+    network you trust."""
+    import signal
+
+    from .runtime import rpc as rpc_mod
+    from .runtime.llamacpp import default_threads
+
+    if not 0 < port < 65536:
+        raise InvalidOptionError(f"--port: {port} is not a TCP port (1..65535)")
+    ep = rpc_mod.parse_endpoints(f"{host}:{port}", "--host/--port")[0]
+    rpc_mod.require()
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+    if not ep.loopback:
+        _say(f"warning: listening on {ep}: llama.cpp's RPC protocol has no authentication and no encryption; "
+             "anyone who can reach this port can run computations and read or write this server's memory buffers")
+    n = threads or default_threads()
+    _say(f"bitsplit rpc-server: {ep}, CPU, {n} threads; use it with --rpc {ep}")
+    # llama.cpp's server loop never returns to Python: let Ctrl-C and SIGTERM end the process at once
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    rpc_mod.serve(ep, n, str(cache) if cache else None)
 
 
 @app.command("build-native")

@@ -53,7 +53,7 @@ def _make_class():
             n_ctx: int = 4096,
             n_batch: int = 512,
             n_threads: Optional[int] = None,
-            n_gpu_layers: int = 0,
+            n_gpu_layers: Optional[int] = None,
             tree_nodes: int | str = "auto",
             seed: int = llama_cpp.LLAMA_DEFAULT_SEED,
             chat_format: Optional[str] = None,
@@ -61,6 +61,8 @@ def _make_class():
             precision: str = "auto",
             drafter: str = "auto",
             verbose: bool = True,
+            rpc: "str | list[str] | None" = None,
+            rpc_timeout: float = 60.0,
         ):
             from ..speculative.generate import Generator
 
@@ -71,7 +73,7 @@ def _make_class():
             self.cancel_event: "threading.Event | None" = None
             self._gen = Generator(model_dir, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                   tree_nodes=tree_nodes, precision=precision, verbose=verbose, n_batch=n_batch,
-                                  drafter=drafter)
+                                  drafter=drafter, rpc=rpc, rpc_timeout=rpc_timeout)
             self._stack.callback(self._gen.close)
             sm = self._gen.sm
             self.model_path = str(sm.residual.base_path)

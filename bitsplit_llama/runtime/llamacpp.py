@@ -49,7 +49,8 @@ class Model:
     """A llama.cpp model (llama_model *), freed on close()."""
 
     def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, use_mmap: bool = True,
-                 verbose: bool = False):
+                 verbose: bool = False, devices=None):
+        """``devices``: an :class:`rpc.Devices` (the offloaded layers go there), or None (llama.cpp's own)."""
         ll = _llama()
         self.path = Path(path)
         if not self.path.is_file():
@@ -59,6 +60,9 @@ class Model:
         p = ll.llama_model_default_params()
         p.n_gpu_layers = int(n_gpu_layers)
         p.use_extra_bufts = False
+        self.devices = devices  # kept alive while the model is
+        if devices is not None:
+            p.devices = devices.pointer
         if not use_mmap:
             p.load_mode = ll.LLAMA_LOAD_MODE_NONE
         self.params = p

@@ -12,9 +12,10 @@ import threading
 from pathlib import Path
 
 from .. import native
-from ..errors import BusyError, UnsupportedModelError
+from ..errors import BusyError, InvalidOptionError, UnsupportedModelError
 from ..native import policy
 from ..native.residual import Residual
+from . import rpc as rpc_mod
 from .llamacpp import Context, Model
 
 
@@ -28,9 +29,13 @@ class SplitModel:
 
     def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 2048, n_batch: int = 512,
                  n_ubatch: int | None = None, n_seq_max: int = 1, n_threads: int | None = None,
-                 n_gpu_layers: int = 0, precision: str = "auto", verbose: bool = False,
+                 n_gpu_layers: int | None = None, precision: str = "auto", verbose: bool = False,
                  check_fingerprint: bool = True, flash_attn: bool | None = None, kv_type: str = "f16",
-                 fast_drafter: bool | None = None, reserve: int | None = None):
+                 fast_drafter: bool | None = None, reserve: int | None = None, rpc=None,
+                 rpc_timeout: float = rpc_mod.DEFAULT_TIMEOUT_S, overlap: bool = True):
+        """``rpc``: ``HOST:PORT[,...]`` of llama.cpp RPC servers: the base's ``n_gpu_layers`` layers
+        (None: all) live there, the residual here, products are completed in add mode (``overlap``:
+        R . x beside the device's W2 . x)."""
         self.dir = Path(model_dir)
         self._lock = threading.Lock()
         # KV cells beyond the n_ctx positions (see Context): by default one per sequence, which holds
@@ -38,10 +43,31 @@ class SplitModel:
         if reserve is None:
             reserve = n_seq_max if n_seq_max > 1 else 0
         self._ctx_kw = {"n_threads": n_threads, "flash_attn": flash_attn, "kv_type": kv_type}
+        self.rpc = None
+        if rpc is not None and rpc != "" and rpc != []:
+            endpoints = rpc_mod.parse_endpoints(rpc if isinstance(rpc, str) else ",".join(rpc))
+            rpc_mod.check_timeout(rpc_timeout)
+            if n_gpu_layers == 0:
+                raise InvalidOptionError("--rpc with --n-gpu-layers 0 puts nothing on the RPC device; leave -ngl out "
+                                         "(all layers) or give how many")
+        if n_gpu_layers is None:
+            n_gpu_layers = 999 if rpc else 0
+        if n_gpu_layers < 0:
+            raise InvalidOptionError(f"--n-gpu-layers: {n_gpu_layers} is negative")
+        if n_gpu_layers > 0 and not rpc and rpc_mod.gpu_count() == 0:
+            raise InvalidOptionError(
+                f"--n-gpu-layers {n_gpu_layers}: llama.cpp sees no GPU here (this llama-cpp-python was built for the "
+                "CPU: see the README on building it for CUDA, Vulkan or Metal); use --rpc HOST:PORT for a remote device")
+        self.n_gpu_layers = n_gpu_layers
         self.residual = Residual(model_dir, check_fingerprint=check_fingerprint)
         try:
             self.residual.set_precision(precision)
-            self.model = Model(self.residual.base_path, n_gpu_layers=n_gpu_layers, verbose=verbose)
+            self.residual.set_overlap(overlap)
+            if rpc is not None and rpc != "" and rpc != []:
+                self.rpc = rpc_mod.Devices(endpoints, rpc_timeout)
+            self.model = Model(self.residual.base_path, n_gpu_layers=n_gpu_layers, verbose=verbose, devices=self.rpc)
+            if self.rpc is not None:
+                self.rpc.attach()
             try:
                 self.ctx = self._context(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
                                          reserve=reserve)
@@ -86,6 +112,13 @@ class SplitModel:
             view.ctx.close()
 
     def close(self) -> None:
+        if self.rpc is not None and self.rpc.dead() is not None:
+            # freeing the context and the model would talk to the lost server, and llama.cpp's RPC
+            # client aborts the process when it cannot: let their memory go with the process instead
+            for name in ("ctx", "model"):
+                obj = getattr(self, name, None)
+                if obj is not None:
+                    obj.ptr = None
         for name in ("ctx", "model", "residual"):
             obj = getattr(self, name, None)
             if obj is not None:
@@ -102,6 +135,8 @@ class SplitModel:
         if not self._lock.acquire(blocking=False):
             raise BusyError(f"{self.dir}: the model is in use by another call")
         try:
+            if self.rpc is not None:
+                self.rpc.check_alive()
             self.residual.enabled = verify
             yield self.ctx
             if verify:

@@ -45,9 +45,9 @@ class Generator:
     """A split model ready to generate. ``tree_nodes=0`` decodes with the verifier alone."""
 
     def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_gpu_layers: int = 0, tree_nodes: int | str = 16, shape: TreeShape | None = None,
+                 n_gpu_layers: int | None = None, tree_nodes: int | str = 16, shape: TreeShape | None = None,
                  precision: str = "auto", verbose: bool = False, n_batch: int = 512, kernel: str | None = None,
-                 drafter: str = "auto", log=None):
+                 drafter: str = "auto", log=None, rpc=None, rpc_timeout: float = 60.0, overlap: bool = True):
         auto = shape is None and tree_nodes == "auto"
         if not auto and shape is None and not isinstance(tree_nodes, int):
             raise InvalidOptionError(f"--tree-nodes: {tree_nodes!r} is neither 'auto' nor a non-negative integer")
@@ -59,7 +59,8 @@ class Generator:
         self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, room.nodes + 8),
                              n_seq_max=n_seq_max_for(room), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                              precision=precision, verbose=verbose,
-                             fast_drafter=None if drafter == "auto" else drafter == "native")
+                             fast_drafter=None if drafter == "auto" else drafter == "native", rpc=rpc,
+                             rpc_timeout=rpc_timeout, overlap=overlap)
         self.auto_choice = None
         if auto:
             from ..formats.gguf_file import GGUFFile
@@ -68,7 +69,8 @@ class Generator:
 
             with GGUFFile(self.sm.residual.residual_path, role="residual") as rg:
                 fp = str(rg.kv.get("bitsplit.base_fingerprint", ""))
-            setup = f"{build_key()[0]}|ngl={n_gpu_layers}|native_drafter={self.sm.fast_drafter}"
+            setup = (f"{build_key()[0]}|ngl={self.sm.n_gpu_layers}|native_drafter={self.sm.fast_drafter}"
+                     + (f"|rpc={len(self.sm.rpc)}" if self.sm.rpc else ""))
             prof = autotree.load_or_measure(Engine(self.sm, self.shape), self.tokenize, self.sm.model.is_eog, fp,
                                             self.sm.ctx.n_threads, log, setup)
             self.shape, best_tps, table = autotree.choose(prof)

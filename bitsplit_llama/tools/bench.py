@@ -103,14 +103,17 @@ def _worker(cfg: dict) -> None:
         from ..speculative.sampling import SamplingParams
 
         gen = Generator(cfg["path"], n_ctx=n_ctx, n_threads=threads, tree_nodes=cfg["tree_nodes"],
-                        kernel=cfg.get("kernel"), drafter=cfg.get("drafter", "auto"))
+                        kernel=cfg.get("kernel"), drafter=cfg.get("drafter", "auto"), rpc=cfg.get("rpc"),
+                        rpc_timeout=cfg.get("rpc_timeout", 60.0), overlap=cfg.get("overlap", True),
+                        n_gpu_layers=cfg.get("n_gpu_layers"))
 
         def generate(req):
             sp = SamplingParams(temperature=req["temp"], seed=req["seed"])
             t_first = t_last = None
             n = 0
             res = []
-            d0 = gen.sm.residual.counters().n_draft_products  # this request's own (not calibration's)
+            c0 = gen.sm.residual.counters()
+            d0 = c0.n_draft_products  # this request's own (not calibration's)
             for _, toks in gen.stream(req["prompt"], max_tokens=req["n"], sampling=sp, on_finish=res.append,
                                       speculative=req.get("speculative", True)):
                 now = time.perf_counter()
@@ -128,6 +131,19 @@ def _worker(cfg: dict) -> None:
             extra["drafter"] = gen.sm.drafter if n_draft > 0 else "llama.cpp"
             extra["draft_products"] = n_draft
             extra["shape"] = [gen.shape.nodes, gen.shape.width, gen.shape.rounds]
+            if gen.sm.n_gpu_layers > 0:  # the add mode's cost, per verifier pass of this request
+                c1 = gen.sm.residual.counters()
+                passes = max(1, (st.n_verify if st else 0) + (1 if st and st.n_prompt else 0))
+                extra["add_mode"] = {
+                    "passes": passes,
+                    "products_per_pass": (c1.n_add_products - c0.n_add_products) / passes,
+                    "overlapped_per_pass": (c1.n_overlapped - c0.n_overlapped) / passes,
+                    "bytes_from_device_per_pass": (c1.bytes_from_device - c0.bytes_from_device) / passes,
+                    "bytes_to_device_per_pass": (c1.bytes_to_device - c0.bytes_to_device) / passes,
+                    "transfer_ms_per_pass": 1e3 * (c1.seconds_transfer - c0.seconds_transfer) / passes,
+                    "residual_ms_per_pass": 1e3 * (c1.seconds_inside - c0.seconds_inside) / passes,
+                    "wait_ms_per_pass": 1e3 * (c1.seconds_wait - c0.seconds_wait) / passes,
+                }
             return n, t_first, t_last, extra
 
     print(json.dumps({"ready": True, "rss": _peak_rss()}), flush=True)
@@ -205,6 +221,8 @@ class BenchReport:
     vs_rss: int = 0
     bandwidth: float = 0.0
     seconds: float = 0.0
+    rpc: str | None = None
+    overlap: bool = True
 
     def summary(self) -> dict:
         med = statistics.median(self.rates) if self.rates else 0.0
@@ -235,7 +253,17 @@ class BenchReport:
             "residual_bandwidth_use": round(res_bps / self.bandwidth, 4) if self.bandwidth else 0.0,
             "seconds": round(self.seconds, 1),
             **self._no_spec_summary(med, vmed),
+            **self._add_mode_summary(),
         }
+
+    def _add_mode_summary(self) -> dict:
+        """With --rpc: the base's device and the add mode's cost per verifier pass, medians over runs."""
+        runs = [s["add_mode"] for s in self.stats if "add_mode" in s]
+        if not runs:
+            return {"base_device": "cpu (this process)"}
+        return {"base_device": f"rpc {self.rpc}" if self.rpc else "gpu", "overlap": self.overlap,
+                "vs_device": "cpu (this process)",
+                "add_mode_per_pass": {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}}
 
     def _no_spec_summary(self, med: float, vmed: float) -> dict:
         if not self.no_spec_rates:
@@ -269,7 +297,8 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
               n_predict: int = 128, temp: float = 0.0, threads: int | None = None, repeat: int = 1,
               tree_nodes: int | str = "auto", n_ctx: int = 2048, kernel: str | None = None,
               drafter: str = "auto", with_no_spec: bool = False,
-              log: Callable[[str], None] | None = None) -> BenchReport:
+              log: Callable[[str], None] | None = None, rpc: str | None = None, rpc_timeout: float = 60.0,
+              overlap: bool = True, n_gpu_layers: int | None = None) -> BenchReport:
     """Stock llama.cpp and bitsplit on the same prompts, interleaved per prompt (stock, bitsplit, and
     with ``with_no_spec`` bitsplit's verifier alone in the same worker), same threads."""
     from ..formats.gguf_file import check_readable_file
@@ -288,16 +317,24 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
 
     if drafter not in DRAFTERS:
         raise InvalidOptionError(f"--drafter: {drafter!r} is not one of {', '.join(DRAFTERS)}")
+    if rpc:
+        from ..runtime import rpc as rpc_mod
+
+        rpc_mod.parse_endpoints(rpc)
+        rpc_mod.check_timeout(rpc_timeout)
+        rpc_mod.require()
     threads = threads or default_threads()
     prompts = prompts or list(DEFAULT_PROMPTS)
     say = log or (lambda s: None)
     t_start = time.monotonic()
-    rep = BenchReport(str(model_dir), str(vs), threads, n_predict, temp, tree_nodes, prompts)
+    rep = BenchReport(str(model_dir), str(vs), threads, n_predict, temp, tree_nodes, prompts, rpc=rpc,
+                      overlap=overlap)
     say(f"starting workers ({threads} threads each): stock {Path(vs).name}, bitsplit {model_dir}")
     stock = _Side({"side": "stock", "path": str(vs), "n_ctx": n_ctx, "threads": threads})
     try:
         bit = _Side({"side": "bitsplit", "path": str(model_dir), "n_ctx": n_ctx, "threads": threads,
-                     "tree_nodes": tree_nodes, "kernel": kernel, "drafter": drafter})
+                     "tree_nodes": tree_nodes, "kernel": kernel, "drafter": drafter, "rpc": rpc,
+                     "rpc_timeout": rpc_timeout, "overlap": overlap, "n_gpu_layers": n_gpu_layers})
         try:
             warm = {"prompt": prompts[0], "n": 8, "temp": temp, "seed": 1}
             stock.run(warm)

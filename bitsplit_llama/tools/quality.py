@@ -102,8 +102,11 @@ def load_text_tokens(model, text_path: Path) -> list[int]:
 def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str], text: str | os.PathLike[str], *,
              vs: list[str | os.PathLike[str]] = (), n_ctx: int = 512, max_chunks: int | None = None,
              threads: int | None = None, precision: str = "auto", log: Callable[[str], None] | None = None,
-             progress=None) -> EvalReport:
-    """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``."""
+             progress=None, rpc: str | None = None, rpc_timeout: float = 60.0,
+             n_gpu_layers: int | None = None) -> EvalReport:
+    """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``. With
+    ``rpc`` or ``n_gpu_layers``, the verifier whose base is on those RPC servers or on the GPU (add
+    mode) is scored too, after the all-local one."""
     from ..formats.modeldir import validate_split
     from ..runtime.llamacpp import Context, Model, default_threads
     from ..runtime.verifier import SplitModel
@@ -114,6 +117,12 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
         raise InvalidOptionError(f"--chunks: {max_chunks} is not a positive integer")
     threads = threads or default_threads()
     base_p, _ = validate_split(model_dir)
+    if rpc:
+        from ..runtime import rpc as rpc_mod
+
+        rpc_mod.parse_endpoints(rpc)
+        rpc_mod.check_timeout(rpc_timeout)
+        rpc_mod.require()
     reference, text = Path(reference), Path(text)
     vs = [Path(v) for v in vs]
     for v in vs:
@@ -196,23 +205,30 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
 
             return consume, finish
 
-        # the split verifier first
-        if progress:
-            progress.phase("split verifier", n_chunks, 0)
-        consume, finish = scorer("bitsplit verifier", str(model_dir))
-        sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, precision=precision)
-        try:
-            if sm.model.n_vocab != n_vocab:
-                raise MismatchError(f"{model_dir}: vocabulary differs from the reference")
-            t0 = time.monotonic()
-            for i, chunk in enumerate(chunks):
-                sm.ctx.clear()
-                with sm.verifying() as ctx:
-                    ctx.decode(chunk, positions)
-                    consume(i, ctx.logits(n_ctx))
-            report.models.append(finish(time.monotonic() - t0))
-        finally:
-            sm.close()
+        # the split verifier first (all local, then with its base on the RPC servers)
+        configs = [("bitsplit verifier", {})]
+        if rpc or n_gpu_layers:
+            where = f"rpc {rpc}" if rpc else "the GPU"
+            ngl = "" if n_gpu_layers is None else f" (-ngl {n_gpu_layers})"
+            configs.append((f"bitsplit verifier, base on {where}{ngl}",
+                            {"rpc": rpc, "rpc_timeout": rpc_timeout, "n_gpu_layers": n_gpu_layers}))
+        for name, kw in configs:
+            if progress:
+                progress.phase(name, n_chunks, 0)
+            consume, finish = scorer(name, str(model_dir))
+            sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, precision=precision, **kw)
+            try:
+                if sm.model.n_vocab != n_vocab:
+                    raise MismatchError(f"{model_dir}: vocabulary differs from the reference")
+                t0 = time.monotonic()
+                for i, chunk in enumerate(chunks):
+                    sm.ctx.clear()
+                    with sm.verifying() as ctx:
+                        ctx.decode(chunk, positions)
+                        consume(i, ctx.logits(n_ctx))
+                report.models.append(finish(time.monotonic() - t0))
+            finally:
+                sm.close()
 
         for v in vs:
             if progress:
