@@ -145,6 +145,7 @@ void bitsplit_ctx_get_counters(const bitsplit_ctx * c, bitsplit_counters * out) 
     out->ns_transfer = atomic_load(&ctx->c_ns_xfer);
     out->n_overlapped = atomic_load(&ctx->c_overlap);
     out->ns_wait = atomic_load(&ctx->c_ns_wait);
+    out->n_stops = atomic_load(&ctx->c_stops);
 }
 
 void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
@@ -166,6 +167,7 @@ void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
     atomic_store(&ctx->c_ns_xfer, 0);
     atomic_store(&ctx->c_overlap, 0);
     atomic_store(&ctx->c_ns_wait, 0);
+    atomic_store(&ctx->c_stops, 0);
 }
 
 int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size) {

@@ -73,6 +73,7 @@ typedef struct bitsplit_counters {
     uint64_t ns_transfer;       /* wall time in those reads and writes, nanoseconds */
     uint64_t n_overlapped;      /* add-mode products whose R . x ran while the device computed W2 . x */
     uint64_t ns_wait;           /* time the graph waited for such an R . x after the device's part */
+    uint64_t n_stops;           /* nodes the graph stopped after for this library (each a device sync) */
 } bitsplit_counters;
 
 const char * bitsplit_status_str(int status);

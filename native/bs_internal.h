@@ -150,7 +150,7 @@ struct bitsplit_ctx {
 
     /* counters (updated by thread 0 of a product) */
     atomic_uint_fast64_t c_products, c_add, c_rows, c_cols, c_bres, c_bbase, c_ns, c_err, c_draft, c_ns_draft;
-    atomic_uint_fast64_t c_bdev_in, c_bdev_out, c_ns_xfer, c_overlap, c_ns_wait;
+    atomic_uint_fast64_t c_bdev_in, c_bdev_out, c_ns_xfer, c_overlap, c_ns_wait, c_stops;
 
     pthread_mutex_t err_lock;
     int err_status;

@@ -503,6 +503,7 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) 
     }
     /* returning false would abort the graph: always continue */
     if (atomic_load_explicit(&ctx->enabled, memory_order_relaxed) && !is_ours(t)) {
+        atomic_fetch_add_explicit(&ctx->c_stops, 1, memory_order_relaxed);
         if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_GET_ROWS || t->op == GGML_OP_MUL_MAT_ID) {
             add_residual(ctx, t);
         }

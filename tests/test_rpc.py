@@ -140,6 +140,10 @@ def test_verifier_on_the_device_equals_add_mode_bit_for_bit(device, f32_pair, ti
     assert c_add.bytes_from_device == 0  # local add mode moves nothing
     # overlap: every product's R . x ran beside the device's W2 . x; without it, none did
     assert c_dev.n_overlapped == c_dev.n_add_products and c_seq.n_overlapped == 0
+    # the device synchronises once per product (the embedding lookup stays on the host, replaced),
+    # plus once per input asked for with overlap (4 per layer: attention in and out, FFN in and inner)
+    assert c_seq.n_stops == c_seq.n_add_products
+    assert c_seq.n_stops < c_dev.n_stops < 2 * c_seq.n_stops
     assert np.array_equal(dev, dev_seq)
     if "rpc" in device:  # the same ggml CPU kernels on the server: the same rounding, bit for bit
         assert np.array_equal(dev, add)

@@ -38,6 +38,7 @@ class Counters:
     seconds_transfer: float = 0.0
     n_overlapped: int = 0        # add-mode products whose R . x ran while the device computed W2 . x
     seconds_wait: float = 0.0    # time the graph waited for those after the device's part
+    n_stops: int = 0             # nodes the graph stopped after for the library (a device sync each)
 
 
 def _raise(status: int, message: str) -> None:
@@ -159,7 +160,7 @@ class Residual:
         self._lib.bitsplit_ctx_get_counters(self.ptr, c)
         return Counters(c.n_products, c.n_add_products, c.n_get_rows, c.n_columns, c.bytes_residual, c.bytes_base,
                         c.ns_inside / 1e9, c.n_errors, c.n_draft_products, c.ns_draft / 1e9, c.bytes_from_device,
-                        c.bytes_to_device, c.ns_transfer / 1e9, c.n_overlapped, c.ns_wait / 1e9)
+                        c.bytes_to_device, c.ns_transfer / 1e9, c.n_overlapped, c.ns_wait / 1e9, c.n_stops)
 
     def reset_counters(self) -> None:
         self._lib.bitsplit_ctx_reset_counters(self.ptr)

@@ -44,6 +44,7 @@ class SplitModel:
             reserve = n_seq_max if n_seq_max > 1 else 0
         self._ctx_kw = {"n_threads": n_threads, "flash_attn": flash_attn, "kv_type": kv_type}
         self.rpc = None
+        self.n_verify_passes = 0  # verifying() blocks entered: one per verify pass, one for a prompt
         if rpc is not None and rpc != "" and rpc != []:
             endpoints = rpc_mod.parse_endpoints(rpc if isinstance(rpc, str) else ",".join(rpc))
             rpc_mod.check_timeout(rpc_timeout)
@@ -137,6 +138,7 @@ class SplitModel:
         try:
             if self.rpc is not None:
                 self.rpc.check_alive()
+            self.n_verify_passes += verify
             self.residual.enabled = verify
             yield self.ctx
             if verify:

@@ -112,7 +112,7 @@ def _worker(cfg: dict) -> None:
             t_first = t_last = None
             n = 0
             res = []
-            c0 = gen.sm.residual.counters()
+            c0, p0 = gen.sm.residual.counters(), gen.sm.n_verify_passes
             d0 = c0.n_draft_products  # this request's own (not calibration's)
             for _, toks in gen.stream(req["prompt"], max_tokens=req["n"], sampling=sp, on_finish=res.append,
                                       speculative=req.get("speculative", True)):
@@ -133,11 +133,12 @@ def _worker(cfg: dict) -> None:
             extra["shape"] = [gen.shape.nodes, gen.shape.width, gen.shape.rounds]
             if gen.sm.n_gpu_layers > 0:  # the add mode's cost, per verifier pass of this request
                 c1 = gen.sm.residual.counters()
-                passes = max(1, (st.n_verify if st else 0) + (1 if st and st.n_prompt else 0))
+                passes = max(1, gen.sm.n_verify_passes - p0)  # the prompt's passes included
                 extra["add_mode"] = {
                     "passes": passes,
                     "products_per_pass": (c1.n_add_products - c0.n_add_products) / passes,
                     "overlapped_per_pass": (c1.n_overlapped - c0.n_overlapped) / passes,
+                    "syncs_per_pass": (c1.n_stops - c0.n_stops) / passes,
                     "bytes_from_device_per_pass": (c1.bytes_from_device - c0.bytes_from_device) / passes,
                     "bytes_to_device_per_pass": (c1.bytes_to_device - c0.bytes_to_device) / passes,
                     "transfer_ms_per_pass": 1e3 * (c1.seconds_transfer - c0.seconds_transfer) / passes,

@@ -1038,8 +1038,9 @@ static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mte
               "%s: overlapped add-mode result", what);
         bitsplit_counters c;
         bitsplit_ctx_get_counters(ctx, &c);
-        CHECK(c.n_add_products == 1 && c.n_overlapped == 1 && c.n_errors == 0, "%s: overlap counters (%llu)", what,
-              (unsigned long long)c.n_overlapped);
+        CHECK(c.n_add_products == 1 && c.n_overlapped == 1 && c.n_errors == 0 && c.n_stops == 2,
+              "%s: overlap counters (%llu overlapped, %llu stops)", what, (unsigned long long)c.n_overlapped,
+              (unsigned long long)c.n_stops);
     }
     /* a batch started and never used (the graph went elsewhere) is dropped before anything else
      * uses the pool: here a plain product, then the replace path */

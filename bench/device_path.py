@@ -1,0 +1,113 @@
+"""Add mode's cost per verify pass, with and without overlap, against the all-local verifier.
+
+    python bench/device_path.py SPLIT --rpc HOST:PORT [--batches 1,4,16] [--repeat 5] [--threads N]
+
+Loads the split twice in this process: all local (every product replaced by the native kernels),
+and with the base on the device (``--rpc``, or the GPU with ``--gpu``; every product completed in
+add mode). For each batch size, a verify pass of that many rows after a 64-token context, timed in
+turn: local, device with overlap, device without (interleaved, ``--repeat`` rounds, medians). Per
+pass it reports the add mode's own counters: products completed, how many ran overlapped,
+synchronisations (each observed node stops the device: products, plus the inputs asked for with
+overlap), activation bytes moved each way, time in those transfers, time in ``R·x``, and time the
+graph waited for an overlapped ``R·x``. The last line is one JSON object.
+
+What it implies for a GPU over PCIe (the inputs ``bitsplit plan`` uses): ``plan`` charges each
+hooked product ``2 * latency + activation bytes / B_pcie`` on top of the residual; these figures
+give the number of synchronisations and the bytes per pass that formula multiplies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bitsplit_llama.runtime.verifier import SplitModel  # noqa: E402
+
+CONTEXT = 64
+
+
+def _pass(sm: SplitModel, rows: int) -> tuple[float, object, object]:
+    sm.ctx.seq_rm(0, CONTEXT, -1)
+    c0 = sm.residual.counters()
+    t0 = time.perf_counter()
+    with sm.verifying() as ctx:
+        ctx.decode([300 + i for i in range(rows)], list(range(CONTEXT, CONTEXT + rows)))
+        ctx.logits(rows)
+    dt = time.perf_counter() - t0
+    return dt, c0, sm.residual.counters()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("split")
+    ap.add_argument("--rpc", help="HOST:PORT[,...] of llama.cpp RPC servers for the base")
+    ap.add_argument("--gpu", action="store_true", help="the base on this machine's GPU instead (-ngl 99)")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="this process's threads (the server has its own)")
+    a = ap.parse_args()
+    if bool(a.rpc) == a.gpu:
+        ap.error("give exactly one of --rpc HOST:PORT or --gpu")
+    batches = [int(b) for b in a.batches.split(",")]
+    n_batch = max(batches + [CONTEXT])
+    dev_kw = {"rpc": a.rpc} if a.rpc else {"n_gpu_layers": 99}
+    local = SplitModel(a.split, n_ctx=512, n_batch=n_batch, n_threads=a.threads)
+    dev = SplitModel(a.split, n_ctx=512, n_batch=n_batch, n_threads=a.threads, **dev_kw)
+    out = {"split": a.split, "device": a.rpc or "gpu", "threads": local.ctx.n_threads, "batches": {}}
+    try:
+        for sm in (local, dev):
+            sm.ctx.clear()
+            with sm.verifying() as ctx:
+                ctx.decode([1] + [400 + i for i in range(CONTEXT - 1)], list(range(CONTEXT)), logits=False)
+        for rows in batches:
+            times = {"local": [], "overlap": [], "sequential": []}
+            per = {"overlap": [], "sequential": []}
+            _pass(dev, rows)  # learn the inputs (first pass) and warm up
+            _pass(local, rows)
+            for _ in range(a.repeat):
+                times["local"].append(_pass(local, rows)[0])
+                for mode in ("overlap", "sequential"):
+                    dev.residual.set_overlap(mode == "overlap")
+                    dt, c0, c1 = _pass(dev, rows)
+                    times[mode].append(dt)
+                    per[mode].append((c0, c1))
+            row = {k: round(1e3 * statistics.median(v), 2) for k, v in times.items()}
+            row = {f"{k}_ms": v for k, v in row.items()}
+            for mode, pairs in per.items():
+                c0, c1 = pairs[-1]
+                prods = c1.n_add_products - c0.n_add_products
+                ovl = c1.n_overlapped - c0.n_overlapped
+                med = lambda f: round(1e3 * statistics.median(f(x, y) for x, y in pairs), 2)  # noqa: E731
+                row[mode] = {
+                    "products": prods, "overlapped": ovl,
+                    "syncs": c1.n_stops - c0.n_stops,
+                    "bytes_from_device": c1.bytes_from_device - c0.bytes_from_device,
+                    "bytes_to_device": c1.bytes_to_device - c0.bytes_to_device,
+                    "transfer_ms": med(lambda x, y: y.seconds_transfer - x.seconds_transfer),
+                    "residual_ms": med(lambda x, y: y.seconds_inside - x.seconds_inside),
+                    "wait_ms": med(lambda x, y: y.seconds_wait - x.seconds_wait),
+                }
+            row["overlap_gain"] = round(row["sequential_ms"] / row["overlap_ms"], 3)
+            row["device_vs_local"] = round(row["overlap_ms"] / row["local_ms"], 3)
+            out["batches"][rows] = row
+            print(f"{rows:>3} rows: local {row['local_ms']:.1f} ms, device+overlap {row['overlap_ms']:.1f} ms, "
+                  f"device sequential {row['sequential_ms']:.1f} ms (overlap {row['overlap_gain']:.2f}x); per pass "
+                  f"{row['overlap']['products']} products ({row['overlap']['overlapped']} overlapped), "
+                  f"{row['overlap']['syncs']} syncs, {row['overlap']['bytes_from_device'] / 1e6:.2f} MB from / "
+                  f"{row['overlap']['bytes_to_device'] / 1e6:.2f} MB to the device, transfers "
+                  f"{row['overlap']['transfer_ms']:.1f} ms, R.x {row['overlap']['residual_ms']:.1f} ms, wait "
+                  f"{row['overlap']['wait_ms']:.1f} ms", file=sys.stderr, flush=True)
+    finally:
+        dev.close()
+        local.close()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
