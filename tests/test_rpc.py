@@ -327,3 +327,31 @@ def test_rpc_server_command(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def test_cli_run_and_eval_with_the_base_on_the_device(server, tiny_split, tiny_f32, tmp_path, capsys):
+    import json
+
+    from bitsplit_llama.cli import main
+
+    out = {}
+    for args in (["--tree-nodes", "4"], ["--no-spec"]):
+        assert main(["run", str(tiny_split), "-p", "hello world", "-n", "12", "--rpc", server, "--json", *args]) == 0
+        out[args[0]] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["--tree-nodes"]["tokens"] == out["--no-spec"]["tokens"] and len(out["--no-spec"]["tokens"]) > 0
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    assert main(["eval", str(tiny_split), "--reference", str(tiny_f32), "--text", str(text), "--n-ctx", "32",
+                 "--chunks", "2", "--rpc", server, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    names = [m["name"] for m in rep["models"]]
+    assert names == ["bitsplit verifier", f"bitsplit verifier, base on rpc {server}"]
+    assert all(m["kl_mean"] > 0 for m in rep["models"])
+    # options: a bad endpoint or timeout is a usage error (exit 2) naming the value
+    assert main(["run", str(tiny_split), "-p", "x", "--rpc", "nohost"]) == 2
+    assert "'nohost' is not HOST:PORT" in capsys.readouterr().err
+    assert main(["run", str(tiny_split), "-p", "x", "--rpc", server, "--rpc-timeout", "0"]) == 2
+    capsys.readouterr()
+    if rpc.gpu_count() == 0:  # -ngl without a GPU or --rpc would silently keep everything here
+        assert main(["run", str(tiny_split), "-p", "x", "-ngl", "2"]) == 2
+        assert "llama.cpp sees no GPU here" in capsys.readouterr().err
