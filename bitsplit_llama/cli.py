@@ -117,21 +117,41 @@ def split(
 @app.command()
 def info(
     model_dir: Path = typer.Argument(..., help="A split model directory."),
+    verify: bool = typer.Option(False, "--verify", help="Check every tensor's data against the checksums the split "
+                                "recorded; name any that changed."),
     as_json: bool = typer.Option(False, "--json", help="Print as one JSON line."),
 ) -> None:
-    """Describe a split model: types, sizes, bits per weight, fingerprint check."""
-    from .formats.modeldir import split_info
+    """Describe a split model: types, sizes, bits per weight, fingerprint check (and, with --verify, data integrity)."""
+    from .formats.modeldir import split_info, verify_split
+    from .tools.progress import make_progress
 
     i = split_info(model_dir)
+    v = verify_split(model_dir, progress=make_progress(as_json)) if verify else None
+    failed = not i.fingerprint_ok or (v is not None and (v.bad or not v.recorded))
     if as_json:
-        _print_json(i.to_json())
+        obj = i.to_json()
+        if v is not None:
+            obj["verify"] = v.to_json()
+        _print_json(obj)
+        if failed:
+            raise typer.Exit(1)
         return
     print(f"{i.dir}: {i.architecture}, {i.n_params / 1e6:.1f} M parameters, split from {i.source_file}")
     print(f"  base.gguf      {i.base_tensors:4d} tensors  {_fmt_bytes(i.base_bytes):>10}  {i.base_bpw:5.2f} bpw  {_types(i.base_types)}")
     print(f"  residual.gguf  {i.residual_tensors:4d} tensors  {_fmt_bytes(i.residual_bytes):>10}  {i.residual_bpw:5.2f} bpw  {_types(i.residual_types)}")
     print(f"  residual type {i.residual_type}, {i.fallbacks} width fallbacks")
     print(f"  base fingerprint: {'matches' if i.fingerprint_ok else 'DOES NOT MATCH (residual made from another base)'}")
-    if not i.fingerprint_ok:
+    if v is not None:
+        if not v.recorded:
+            print("  verify: no checksums recorded (a split made before bitsplit recorded them): split again to add them")
+        elif not v.bad:
+            print(f"  verify: {v.checked} tensors checked, every one matches its checksum")
+        else:
+            print(f"  verify: {len(v.bad)} of {v.checked} tensors do NOT match their checksum (their data changed since "
+                  "the split):")
+            for f, t in v.bad:
+                print(f"    {f}: {t}")
+    if failed:
         raise typer.Exit(1)
 
 

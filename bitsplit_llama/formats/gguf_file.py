@@ -17,6 +17,7 @@ import math
 import mmap
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
@@ -363,6 +364,9 @@ class StreamingGGUFWriter:
         self._infos: list[tuple[str, int]] = []
         self._fh: BinaryIO | None = None
         self._current: tuple[str, int, int] | None = None  # name, expected bytes, written
+        self._checksum_key: str | None = None
+        self._crc = 0
+        self._crcs: list[int] = []
 
     @property
     def kv(self):  # the GGUFWriter, for its add_* methods
@@ -376,6 +380,13 @@ class StreamingGGUFWriter:
         self._w.add_tensor_info(name, tuple(reversed(shape)), np.dtype(np.float32), nbytes,
                                 raw_dtype=GGMLQuantizationType(ggml_type))
         self._infos.append((name, nbytes))
+
+    def reserve_checksums(self, key: str) -> None:
+        """Record a CRC-32 of every tensor's data under ``key`` (a string of 8 hex digits per tensor,
+        comma-separated, in tensor order). Call after the last add_tensor_info: a placeholder of the
+        final length goes into the header now and is filled in by :meth:`finish`."""
+        self._checksum_key = key
+        self._w.add_string(key, ",".join(["0" * 8] * len(self._infos)))
 
     def begin_data(self) -> None:
         self._w.write_header_to_file(path=self.path)
@@ -397,6 +408,7 @@ class StreamingGGUFWriter:
         if name != exp_name:
             raise RuntimeError(f"tensor data out of order: got '{name}', expected '{exp_name}'")
         self._current = (name, nbytes, 0)
+        self._crc = 0
 
     def write(self, data: np.ndarray) -> None:
         assert self._fh is not None and self._current is not None
@@ -405,6 +417,8 @@ class StreamingGGUFWriter:
         if done + len(b) > nbytes:
             raise RuntimeError(f"too much data for tensor '{name}'")
         self._fh.write(b)
+        if self._checksum_key is not None:
+            self._crc = zlib.crc32(b, self._crc)
         self._current = (name, nbytes, done + len(b))
 
     def end_tensor(self) -> None:
@@ -415,16 +429,52 @@ class StreamingGGUFWriter:
         self._pad()
         self._current = None
         self._next += 1
+        self._crcs.append(self._crc)
 
     def finish(self) -> None:
         """Check every tensor was written and make the file durable (call before :meth:`close`)."""
         if self._fh is None or self._next != len(self._infos):
             raise RuntimeError(f"{self.path}: finished after {getattr(self, '_next', 0)} of {len(self._infos)} tensors")
+        if self._checksum_key is not None:
+            self._fill_checksums()
         self._fh.flush()
         os.fsync(self._fh.fileno())
 
+    def _fill_checksums(self) -> None:
+        """Write the tensors' CRCs over the placeholder reserve_checksums put in the header."""
+        assert self._fh is not None and self._checksum_key is not None
+        key = self._checksum_key.encode()
+        value = ",".join(f"{c:08x}" for c in self._crcs).encode()
+        self._fh.flush()
+        end = self._fh.tell()
+        with open(self.path, "rb") as r:  # the writer's handle is write-only
+            head = r.read(min(end, 64 * 1024 * 1024))
+        # the key/value as GGUF writes it: u64 key length, key, u32 type (8: string), u64 length, bytes
+        needle = struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(value))
+        at = head.find(needle)
+        if at < 0 or head.find(needle, at + 1) >= 0 or head[at + len(needle):at + len(needle) + len(value)].strip(b"0,"):
+            raise RuntimeError(f"{self.path}: the checksum placeholder was not found in the header")
+        self._fh.seek(at + len(needle))
+        self._fh.write(value)
+        self._fh.seek(end)
+
     def close(self) -> None:
         self._w.close()
+
+
+def tensor_checksum(g: "GGUFFile", t: TensorInfo, chunk: int = 64 * 1024 * 1024) -> int:
+    """CRC-32 of a tensor's data bytes (as StreamingGGUFWriter records them)."""
+    crc, done = 0, 0
+    buf = bytearray(min(chunk, max(t.nbytes, 1)))
+    while done < t.nbytes:
+        n = min(len(buf), t.nbytes - done)
+        view = memoryview(buf)[:n]
+        got = os.preadv(g._fh.fileno(), [view], t.offset + done)
+        if got != n:
+            raise GGUFFormatError(f"{g.path}: file shrank while reading tensor '{t.name}'")
+        crc = zlib.crc32(view, crc)
+        done += n
+    return crc
 
 
 def iter_row_chunks(n_rows: int, n_per_row: int, max_elements: int) -> Iterable[tuple[int, int]]:

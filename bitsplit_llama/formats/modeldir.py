@@ -15,8 +15,9 @@ from pathlib import Path
 from gguf.constants import GGMLQuantizationType as QT
 
 from ..errors import GGUFFormatError, InputError, MismatchError, UnsupportedModelError
-from .gguf_file import GGUFFile, fingerprint, type_name
-from .split import BASE_NAME, FORMAT_VERSION, RESIDUAL_NAME, BitsPerWeight
+from .gguf_file import GGUFFile, fingerprint, tensor_checksum, type_name
+from .split import (BASE_CHECKSUMS_KEY, BASE_NAME, FORMAT_VERSION, RESIDUAL_CHECKSUMS_KEY, RESIDUAL_NAME,
+                    BitsPerWeight)
 
 #: residual tensor types the verifier knows how to apply
 SUPPORTED_RESIDUAL_TYPES = {int(QT.Q6_K), int(QT.Q8_0), int(QT.F16), int(QT.F32)}
@@ -140,5 +141,53 @@ def split_info(model_dir: str | os.PathLike[str]) -> SplitInfo:
         )
 
 
-__all__ = ["SplitInfo", "split_info", "split_paths", "validate_split", "check_pair", "type_name",
+@dataclass
+class VerifyReport:
+    """What `bitsplit info --verify` found: tensors checked, and those whose data changed."""
+
+    checked: int
+    bad: list[tuple[str, str]]  # (file, tensor name)
+    recorded: bool              # False: the split predates checksums
+
+    def to_json(self) -> dict:
+        return {"checked": self.checked, "recorded": self.recorded, "ok": self.recorded and not self.bad,
+                "bad": [{"file": f, "tensor": t} for f, t in self.bad]}
+
+
+def _recorded(res: GGUFFile, key: str, n: int, what: str) -> list[int] | None:
+    value = res.kv.get(key)
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) and value else []
+    if len(items) != n or not all(len(i) == 8 for i in items):
+        raise GGUFFormatError(f"{res.path}: {key} holds {len(items)} checksums for {n} {what} tensors")
+    try:
+        return [int(i, 16) for i in items]
+    except ValueError:
+        raise GGUFFormatError(f"{res.path}: {key} is not a list of hexadecimal checksums") from None
+
+
+def verify_split(model_dir: str | os.PathLike[str], progress=None) -> VerifyReport:
+    """Check every tensor of base.gguf and residual.gguf against the CRC-32 the split recorded."""
+    base_p, res_p = split_paths(model_dir)
+    with GGUFFile(base_p, role="base") as base, GGUFFile(res_p, role="residual") as res:
+        want = {"residual.gguf": (res, _recorded(res, RESIDUAL_CHECKSUMS_KEY, len(res.tensors), "residual")),
+                "base.gguf": (base, _recorded(res, BASE_CHECKSUMS_KEY, len(base.tensors), "base"))}
+        if any(crcs is None for _, crcs in want.values()):
+            return VerifyReport(0, [], False)
+        if progress:
+            progress.phase("verify", len(res.tensors) + len(base.tensors),
+                           sum(t.nbytes for t in res.tensors) + sum(t.nbytes for t in base.tensors))
+        bad, checked = [], 0
+        for fname, (g, crcs) in want.items():
+            for t, crc in zip(g.tensors, crcs):
+                if tensor_checksum(g, t) != crc:
+                    bad.append((fname, t.name))
+                checked += 1
+                if progress:
+                    progress.advance(tensors=1, nbytes=t.nbytes)
+        return VerifyReport(checked, bad, True)
+
+
+__all__ = ["SplitInfo", "VerifyReport", "verify_split", "split_info", "split_paths", "validate_split", "check_pair", "type_name",
            "SUPPORTED_RESIDUAL_TYPES"]

@@ -31,9 +31,12 @@ from gguf.constants import GGMLQuantizationType as QT
 
 from . import _ggml
 from ..errors import InputError, InvalidOptionError, OutputError, UnsupportedModelError
-from .gguf_file import GGUFFile, StreamingGGUFWriter, TensorInfo, fingerprint, iter_row_chunks, type_name, write_error
+from .gguf_file import (GGUFFile, StreamingGGUFWriter, TensorInfo, fingerprint, iter_row_chunks, tensor_checksum,
+                        type_name, write_error)
 
 FORMAT_VERSION = 1
+RESIDUAL_CHECKSUMS_KEY = "bitsplit.checksums.crc32"   # 8 hex digits per residual tensor, in file order
+BASE_CHECKSUMS_KEY = "bitsplit.base_checksums.crc32"  # the same for base.gguf's tensors
 BASE_NAME = "base.gguf"
 RESIDUAL_NAME = "residual.gguf"
 
@@ -423,8 +426,12 @@ def _write_residual(path: Path, src: GGUFFile, base: GGUFFile, plan: list[Residu
     kv.add_uint32("bitsplit.fallback_count", sum(r.fallback for r in plan))
     kv.add_uint32("bitsplit.tensor_count", len(plan))
     kv.add_string("bitsplit.imatrix", imatrix.name if imatrix else "")
+    # integrity: a CRC-32 of every base tensor (read back now) and of every residual tensor (as it
+    # is written), checked by `bitsplit info --verify`
+    kv.add_string(BASE_CHECKSUMS_KEY, ",".join(f"{tensor_checksum(base, t):08x}" for t in base.tensors))
     for r in plan:
         w.add_tensor_info(r.name, r.shape, r.residual_type)
+    w.reserve_checksums(RESIDUAL_CHECKSUMS_KEY)
     total_bytes = sum(base.tensor(r.name).nbytes for r in plan)
     if progress:
         progress.phase(f"residual: {residual}", len(plan), total_bytes)
