@@ -7,6 +7,7 @@ model goes through it before handing files to llama.cpp or to the native library
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -179,13 +180,16 @@ def verify_split(model_dir: str | os.PathLike[str], progress=None) -> VerifyRepo
             progress.phase("verify", len(res.tensors) + len(base.tensors),
                            sum(t.nbytes for t in res.tensors) + sum(t.nbytes for t in base.tensors))
         bad, checked = [], 0
-        for fname, (g, crcs) in want.items():
-            for t, crc in zip(g.tensors, crcs):
-                if tensor_checksum(g, t) != crc:
-                    bad.append((fname, t.name))
-                checked += 1
-                if progress:
-                    progress.advance(tensors=1, nbytes=t.nbytes)
+        # one tensor per thread: zlib and the reads release the GIL
+        with cf.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            for fname, (g, crcs) in want.items():
+                got = pool.map(lambda t, g=g: tensor_checksum(g, t), g.tensors)
+                for t, crc, have in zip(g.tensors, crcs, got):
+                    if have != crc:
+                        bad.append((fname, t.name))
+                    checked += 1
+                    if progress:
+                        progress.advance(tensors=1, nbytes=t.nbytes)
         return VerifyReport(checked, bad, True)
 
 

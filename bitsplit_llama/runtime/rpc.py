@@ -110,6 +110,7 @@ def check_timeout(timeout_s: float, option: str = "--rpc-timeout") -> float:
 # -------------------------------------------------------------------------------------------------
 
 _libs: dict[str, ctypes.CDLL] = {}
+_attached: set[int] = set()  # Devices whose model is loaded (the abort message is armed while any is)
 
 
 def _lib_dir() -> Path:
@@ -305,7 +306,18 @@ class Devices:
         server open): give those connections the timeout, and arm the abort message."""
         self.sockets = _client_sockets(self.endpoints)
         _set_timeouts(self.sockets, self.timeout_s)
+        _attached.add(id(self))
         arm_abort_message(self.endpoints, self.timeout_s)
+
+    def detach(self) -> None:
+        """The model on these devices is freed: once no model uses RPC any more, llama.cpp's aborts
+        get their own message back."""
+        _attached.discard(id(self))
+        self.sockets = []  # llama.cpp closed them with the model; the numbers may be reused
+        if not _attached:
+            from .. import native
+
+            native.set_abort_message(None)
 
     def dead(self) -> str | None:
         """The first server whose connection is closed (it died or hung up), or None. A look at the

@@ -124,6 +124,8 @@ class SplitModel:
             obj = getattr(self, name, None)
             if obj is not None:
                 obj.close()
+        if self.rpc is not None:
+            self.rpc.detach()
 
     def __enter__(self) -> "SplitModel":
         return self
