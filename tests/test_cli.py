@@ -223,3 +223,22 @@ def test_cli_bench_refuses_plot_before_running(capsys, tiny_split, tiny_f32, tmp
     code, out, err = run_main(capsys, "bench", str(tiny_split), "--vs", str(tiny_f32),
                               "--plot", str(tmp_path / "nodir" / "x.png"))
     assert code == 1 and "not a writable directory" in err
+
+
+def test_rpc_without_the_backend_says_how_to_rebuild(monkeypatch, tiny_split, capsys):
+    """A llama-cpp-python built without RPC (pip's cache reuses such a wheel whatever CMAKE_ARGS
+    say): --rpc and rpc-server are one line naming the rebuild, and doctor says it."""
+    import llama_cpp
+
+    from bitsplit_llama.cli import main
+    from bitsplit_llama.runtime import rpc
+
+    monkeypatch.setattr(llama_cpp, "llama_supports_rpc", lambda: False)
+    assert not rpc.available()
+    with pytest.raises(rpc.RpcUnavailableError, match="pip cache remove 'llama_cpp_python\\*'.*-DGGML_RPC=on"):
+        rpc.require()
+    assert main(["run", str(tiny_split), "-p", "x", "--rpc", "127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err
+    assert "built without it" in err and "-DGGML_RPC=on" in err and len(err.strip().splitlines()) == 1
+    assert main(["rpc-server", "--port", "50999"]) == 1
+    assert "built without it" in capsys.readouterr().err
