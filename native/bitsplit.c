@@ -197,12 +197,7 @@ int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, 
     const uint64_t t0 = bs_now_ns();
     bs_job job;
     bs_fill_job(&job, e, with_base ? e->base_data : NULL, 0, e->ne[1]);
-    job.x = x;
-    job.ldx = e->ne[0];
-    job.n_cols = n_cols;
-    job.y = y;
-    job.ldy = e->ne[1];
-    job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+    bs_job_columns(&job, ctx, x, n_cols, y);
     bs_overlap_drain(ctx);
     const int st = bs_run_on_pool(ctx, &job);
     if (st == BITSPLIT_OK) {

@@ -176,6 +176,10 @@ size_t bs_job_acts_size(const struct bitsplit_ctx * ctx, const bs_job * job);
 void bs_run_job(struct bitsplit_ctx * ctx, const bs_job * job, int ith, int nth);
 void bs_count_job(struct bitsplit_ctx * ctx, const bs_job * job, uint64_t t0, bool add);
 void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t row0, int64_t N);
+/* after bs_fill_job (and clearing r for the base alone): the product's n_cols columns, x packed
+ * rows of K floats and y packed rows of N floats (NULL while only sizing the job), and the
+ * precision for its types */
+void bs_job_columns(bs_job * job, const struct bitsplit_ctx * ctx, const float * x, int64_t n_cols, float * y);
 /* a whole product on the library's own pool (add mode, bitsplit_ctx_matmul) */
 int bs_run_on_pool(struct bitsplit_ctx * ctx, bs_job * job);
 
@@ -192,6 +196,15 @@ void bs_overlap_start(struct bitsplit_ctx * ctx, const struct ggml_tensor * x);
 /* the device computed t = W2 . x: R . x for it (waiting for it if need be), or NULL if it was not
  * started from this very x (then compute it now) */
 const float * bs_overlap_take(struct bitsplit_ctx * ctx, const struct ggml_tensor * t, const bs_entry * e);
+
+/* FNV-1a of a tensor or node name (the residual's name table, overlap's table of inputs) */
+static inline uint64_t bs_hash_name(const char * s) {
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++) {
+        h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    }
+    return h;
+}
 
 static inline bool bs_host_tensor(const struct ggml_tensor * t) {
     return t->buffer != NULL && ggml_backend_buffer_is_host(t->buffer) && t->data != NULL;

@@ -54,12 +54,7 @@ static void mul_mat(struct ggml_tensor * dst, int ith, int nth, const bs_entry *
     if (base_only) {
         job.r = NULL;
     }
-    job.x = (const float *)x->data;
-    job.ldx = e->ne[0];
-    job.n_cols = ggml_nrows(x);
-    job.y = (float *)dst->data;
-    job.ldy = e->ne[1];
-    job.precision = bs_resolve_precision(ctx, e->base_type, base_only ? e->base_type : e->res_type);
+    bs_job_columns(&job, ctx, (const float *)x->data, ggml_nrows(x), (float *)dst->data);
     job.acts = ctx->acts;
     bs_run_job(ctx, &job, ith, nth);
     if (ith != 0) {
@@ -163,12 +158,7 @@ static void op_mul_mat_id(struct ggml_tensor * dst, int ith, int nth, void * use
         bs_barrier(ctx, nth); /* columns gathered */
         bs_job job;
         bs_fill_job(&job, e, w2all + (size_t)(ex * N) * e->base_row_bytes, ex * N, N);
-        job.x = xg;
-        job.ldx = K;
-        job.n_cols = m;
-        job.y = yg;
-        job.ldy = N;
-        job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+        bs_job_columns(&job, ctx, xg, m, yg);
         job.acts = ctx->acts;
         bs_run_job(ctx, &job, ith, nth);
         bs_barrier(ctx, nth); /* results complete */
@@ -294,10 +284,8 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
                             x->ne[0] == e->ne[0] && t->ne[0] == e->ne[1];
         if (cpu && shapes && ctx->replace_ok && ctx->mode != BITSPLIT_MODE_ADD) {
             bs_job job;
-            bs_fill_job(&job, e, NULL, 0, e->ne[1]);
-            job.w2 = e->base_data;
-            job.n_cols = ggml_nrows(x);
-            job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+            bs_fill_job(&job, e, e->base_data, 0, e->ne[1]);
+            bs_job_columns(&job, ctx, NULL, ggml_nrows(x), NULL);
             if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64)) {
                 bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the product of '%s'", e->name);
                 return false;
@@ -316,8 +304,7 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
             const int64_t pairs = ids->ne[0] * ids->ne[1];
             bs_job job;
             bs_fill_job(&job, e, e->base_data, 0, e->ne[1]);
-            job.n_cols = pairs;
-            job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+            bs_job_columns(&job, ctx, NULL, pairs, NULL);
             const size_t g = (size_t)pairs * (sizeof(int64_t) + (size_t)(e->ne[0] + e->ne[1]) * sizeof(float));
             if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64) ||
                 !bs_ensure(&ctx->gather, &ctx->gather_size, g + 64)) {
@@ -346,8 +333,7 @@ static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     bs_job job;
     bs_fill_job(&job, e, e->base_data, 0, e->ne[1]);
     job.r = NULL;
-    job.n_cols = ggml_nrows(x);
-    job.precision = bs_resolve_precision(ctx, e->base_type, e->base_type);
+    bs_job_columns(&job, ctx, NULL, ggml_nrows(x), NULL);
     if (bs_draft_policy(&job) == NULL) {
         return false; /* ggml's own kernel is as fast or faster here */
     }
@@ -444,12 +430,7 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
             return true;
         }
         bs_fill_job(&job, e, NULL, 0, N);
-        job.x = xs;
-        job.ldx = K;
-        job.n_cols = n_cols;
-        job.y = d;
-        job.ldy = N;
-        job.precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+        bs_job_columns(&job, ctx, xs, n_cols, d);
         if (bs_run_on_pool(ctx, &job) != BITSPLIT_OK) {
             bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
             return true;

@@ -36,19 +36,11 @@ static int fail(char * err, size_t n, int status, const char * fmt, ...) {
  * name table
  * ------------------------------------------------------------------------------------------- */
 
-static uint64_t hash_name(const char * s) {
-    uint64_t h = 1469598103934665603ull;
-    for (; *s; s++) {
-        h = (h ^ (uint8_t)*s) * 1099511628211ull;
-    }
-    return h;
-}
-
 const bs_entry * bs_find_entry(const bitsplit_ctx * ctx, const char * name) {
     if (ctx->table_size == 0) {
         return NULL;
     }
-    uint64_t i = hash_name(name) & (uint64_t)(ctx->table_size - 1);
+    uint64_t i = bs_hash_name(name) & (uint64_t)(ctx->table_size - 1);
     for (;;) {
         int64_t idx = ctx->table[i];
         if (idx < 0) {
@@ -261,7 +253,7 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
         e->base_row_bytes = ggml_row_size(e->base_type, e->ne[0]);
         e->res_data = (const uint8_t *)ctx->map_res + ro;
         e->base_data = (const uint8_t *)ctx->map_base + bo;
-        uint64_t h = hash_name(name) & (uint64_t)(ctx->table_size - 1);
+        uint64_t h = bs_hash_name(name) & (uint64_t)(ctx->table_size - 1);
         while (ctx->table[h] >= 0) {
             if (strcmp(ctx->entries[ctx->table[h]].name, name) == 0) {
                 st = fail(err, err_size, BITSPLIT_E_FORMAT, "%s: duplicate tensor '%s'", residual_path, name);

@@ -61,19 +61,11 @@ struct bs_overlap {
     size_t ycap;
 };
 
-static uint64_t hash_name(const char * s) {
-    uint64_t h = 1469598103934665603ull;
-    for (; *s; s++) {
-        h = (h ^ (uint8_t)*s) * 1099511628211ull;
-    }
-    return h;
-}
-
 static feed * find_feed(bs_overlap * ov, const char * name, bool insert) {
     if (ov == NULL || ov->feeds == NULL || name[0] == '\0' || strlen(name) >= GGML_MAX_NAME) {
         return NULL;
     }
-    for (uint64_t i = hash_name(name) % FEED_SLOTS, k = 0; k < FEED_SLOTS; i = (i + 1) % FEED_SLOTS, k++) {
+    for (uint64_t i = bs_hash_name(name) % FEED_SLOTS, k = 0; k < FEED_SLOTS; i = (i + 1) % FEED_SLOTS, k++) {
         feed * f = &ov->feeds[i];
         if (f->name[0] == '\0') {
             if (!insert || ov->n_feeds >= FEED_SLOTS / 2) {
@@ -230,12 +222,7 @@ void bs_overlap_start(bitsplit_ctx * ctx, const struct ggml_tensor * x) {
         const bs_entry * e = f->e[i];
         bs_job * job = &ov->jobs[i];
         bs_fill_job(job, e, NULL, 0, e->ne[1]);
-        job->x = ov->xbuf;
-        job->ldx = K;
-        job->n_cols = n_cols;
-        job->y = y;
-        job->ldy = e->ne[1];
-        job->precision = bs_resolve_precision(ctx, e->base_type, e->res_type);
+        bs_job_columns(job, ctx, ov->xbuf, n_cols, y);
         ov->e[i] = e;
         ov->taken[i] = false;
         y += n_cols * e->ne[1];

@@ -236,6 +236,15 @@ void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t r
     job->N = N;
 }
 
+void bs_job_columns(bs_job * job, const bitsplit_ctx * ctx, const float * x, int64_t n_cols, float * y) {
+    job->x = x;
+    job->ldx = job->K;
+    job->n_cols = n_cols;
+    job->y = y;
+    job->ldy = job->N;
+    job->precision = bs_resolve_precision(ctx, job->w2_type, job->r != NULL ? job->r_type : job->w2_type);
+}
+
 bool bs_ensure(void ** buf, size_t * cap, size_t need) {
     if (*cap >= need) {
         return true;
