@@ -549,7 +549,13 @@ def rpc_server(
     ep = rpc_mod.parse_endpoints(f"{host}:{port}", "--host/--port")[0]
     rpc_mod.require()
     if cache is not None:
-        cache.mkdir(parents=True, exist_ok=True)
+        if cache.exists() and not cache.is_dir():
+            raise InvalidOptionError(f"--cache: {cache} is not a directory (expected a directory for the server's "
+                                     "tensor cache, made if missing)")
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InvalidOptionError(f"--cache: cannot make the directory {cache}: {e.strerror or e}") from None
     if not ep.loopback:
         _say(f"warning: listening on {ep}: llama.cpp's RPC protocol has no authentication and no encryption; "
              "anyone who can reach this port can run computations and read or write this server's memory buffers")

@@ -309,6 +309,9 @@ def test_rpc_server_command(tmp_path):
         r = subprocess.run([*CLI, "rpc-server", "--port", str(port)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}: already in use" in r.stderr
     assert main(["rpc-server", "--port", "0"]) == 2
+    not_dir = tmp_path / "file"
+    not_dir.write_text("x")
+    assert main(["rpc-server", "--port", str(_free_port()), "--cache", str(not_dir)]) == 2
     # binding beyond loopback warns that the protocol has no authentication
     port = _free_port()
     p = subprocess.Popen([*CLI, "rpc-server", "--host", "0.0.0.0", "--port", str(port), "-t", "1"],
