@@ -5,7 +5,8 @@ output equals verifier-alone output (with the top-2 margin at any first divergen
     python bench/engine_acceptance.py SPLIT_DIR [--n 128] [--prompts FILE] [--temps 0,0.7]
         [--configs tree16,chain4,chain8,separate_kv_tree16] [--json OUT]
 
-Configurations: tree of 16 (width 4, 7 rounds), chains of 1, 4 and 8, and the tree of 16 drafted by
+Configurations: tree of 16 (width 4, 7 rounds), of 64 and 128 (width 4, 10 rounds), chains of 1, 4
+and 8, and the tree of 16 drafted by
 a separate context over the same base.gguf with its own KV cache (how a separate draft model works
 in stock llama.cpp); both draft with llama.cpp's own kernels. Tokens per verify = emitted tokens / verifier passes (the prompt's pass counts).
 """
@@ -31,6 +32,8 @@ CONFIGS = {
     "chain1": TreeShape(1, 1, 1),
     "chain4": TreeShape(4, 1, 4),
     "chain8": TreeShape(8, 1, 8),
+    "tree64": TreeShape.for_nodes(64),
+    "tree128": TreeShape.for_nodes(128),
 }
 
 
@@ -63,9 +66,11 @@ def main() -> None:
     known = list(CONFIGS) + ["separate_kv_tree16"]
     if any(c not in known for c in configs):
         ap.error(f"--configs: {a.configs!r}: each must be one of {', '.join(known)}")
-    room = TreeShape(16, 4, 7)
+    shapes = [CONFIGS["tree16" if c == "separate_kv_tree16" else c] for c in configs]
+    room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes))
+    n_batch = max(64, room.nodes + 1, n_seq_max_for(room))
     # llama.cpp's own kernels draft in both set-ups, so that the separate-KV baseline differs only by its KV
-    sm = SplitModel(a.split, n_ctx=1024, n_batch=64, n_seq_max=n_seq_max_for(room), fast_drafter=False)
+    sm = SplitModel(a.split, n_ctx=1024, n_batch=n_batch, n_seq_max=n_seq_max_for(room), fast_drafter=False)
     # the separate drafter's own context (and its KV cache) only when that baseline is asked for
     dctx = (Context(sm.model, n_ctx=1024, n_batch=64, n_seq_max=n_seq_max_for(room))
             if "separate_kv_tree16" in configs else None)
@@ -99,12 +104,15 @@ def main() -> None:
             eng.reset()
     # greedy identity: verifier alone (same kernel family as the tree's passes) vs each greedy run
     if 0.0 in temps:
+        plain_of: dict[str, list[list[int]]] = {}  # verifier-alone outputs by kernel family
         for fam_of in [c for c in configs if c in CONFIGS]:
-            sm.residual.choose_decode_kernel(CONFIGS[fam_of].nodes + 1)
+            kernel = sm.residual.choose_decode_kernel(CONFIGS[fam_of].nodes + 1)
             plain = Engine(sm, TreeShape(0, 1, 1))
+            if kernel not in plain_of:
+                plain_of[kernel] = [run(plain, p, SamplingParams())[0] for p in prompts]
             same, margins = 0, []
             for i, p in enumerate(prompts):
-                ref, _ = run(plain, p, SamplingParams())
+                ref = plain_of[kernel][i]
                 got = results["runs"][f"{fam_of}@0.0"]["per_prompt"][i]["tokens"]
                 if got == ref:
                     same += 1

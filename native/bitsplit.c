@@ -112,6 +112,16 @@ void bitsplit_set_abort_message(const char * msg) {
     ggml_set_abort_callback(on_ggml_abort);
 }
 
+int bitsplit_ctx_set_batch_invariant(bitsplit_ctx * ctx, bool on) {
+    if (ctx == NULL) {
+        return BITSPLIT_E_INVALID;
+    }
+    ctx->invariant = on;
+    return BITSPLIT_OK;
+}
+
+bool bitsplit_ctx_get_batch_invariant(const bitsplit_ctx * ctx) { return ctx != NULL && ctx->invariant; }
+
 int bitsplit_ctx_set_threads(bitsplit_ctx * ctx, int n_threads) {
     if (ctx == NULL || n_threads < 1 || n_threads > BS_MAX_THREADS) {
         return BITSPLIT_E_INVALID;
@@ -146,6 +156,7 @@ void bitsplit_ctx_get_counters(const bitsplit_ctx * c, bitsplit_counters * out) 
     out->n_overlapped = atomic_load(&ctx->c_overlap);
     out->ns_wait = atomic_load(&ctx->c_ns_wait);
     out->n_stops = atomic_load(&ctx->c_stops);
+    out->n_exact_products = atomic_load(&ctx->c_exact);
 }
 
 void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
@@ -168,6 +179,7 @@ void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
     atomic_store(&ctx->c_overlap, 0);
     atomic_store(&ctx->c_ns_wait, 0);
     atomic_store(&ctx->c_stops, 0);
+    atomic_store(&ctx->c_exact, 0);
 }
 
 int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size) {
@@ -191,8 +203,8 @@ int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, 
         return BITSPLIT_E_INVALID;
     }
     const bs_entry * e = bs_find_entry(ctx, name);
-    if (e == NULL || e->ne[2] != 1 || e->ne[3] != 1) {
-        return BITSPLIT_E_INVALID;
+    if (e == NULL || e->ne[2] != 1 || e->ne[3] != 1 || (e->exact && !with_base)) {
+        return BITSPLIT_E_INVALID; /* a weight without residual has no R . x */
     }
     const uint64_t t0 = bs_now_ns();
     bs_job job;

@@ -74,6 +74,7 @@ typedef struct bitsplit_counters {
     uint64_t n_overlapped;      /* add-mode products whose R . x ran while the device computed W2 . x */
     uint64_t ns_wait;           /* time the graph waited for such an R . x after the device's part */
     uint64_t n_stops;           /* nodes the graph stopped after for this library (each a device sync) */
+    uint64_t n_exact_products;  /* base weights without residual computed here (batch invariance) */
 } bitsplit_counters;
 
 const char * bitsplit_status_str(int status);
@@ -102,6 +103,13 @@ int  bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode);
  * the device computes W2 . x; the sum is made when the device's node completes. Off: R . x starts
  * after the device's node (one after the other). On by default. */
 int  bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, bool on);
+/* Batch-invariant verification, on by default: the family pinned for decode passes serves every
+ * batch size (prompts included), and the base's weights that have no residual (the output head,
+ * tensors the split kept exact) are computed by this library's kernels instead of ggml's, whose
+ * arithmetic changes with the batch size. A verified row's logits then do not depend on the rest of
+ * its batch (as far as the graph's other nodes allow). Off: those products stay with ggml. */
+int  bitsplit_ctx_set_batch_invariant(bitsplit_ctx * ctx, bool on);
+bool bitsplit_ctx_get_batch_invariant(const bitsplit_ctx * ctx);
 /* threads for work outside ggml's own thread pool (add mode, bitsplit_ctx_matmul) */
 int  bitsplit_ctx_set_threads(bitsplit_ctx * ctx, int n_threads);
 
@@ -119,7 +127,8 @@ void bitsplit_set_abort_message(const char * msg);
 /* The llama.cpp / ggml scheduler eval callback; user_data is a bitsplit_ctx. */
 bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data);
 
-/* y[c][r] = sum_k (with_base ? W2[r][k] : 0) + R[r][k]) * x[c][k] for residual tensor `name`,
+/* y[c][r] = sum_k (with_base ? W2[r][k] : 0) + R[r][k]) * x[c][k] for residual tensor `name` (or W2 . x
+ * for a base weight without residual, with_base only),
  * r < ne1 (all rows of a 2-D weight), c < n_cols; x is n_cols rows of ne0 floats, y n_cols rows of
  * ne1 floats. base_data: the base weight's bytes (NULL: this library's own map of base.gguf).
  * For tests and benchmarks: the same kernels the callback uses, on this library's threads. */
@@ -147,7 +156,7 @@ const char * bitsplit_draft_kernel(void);
 int bitsplit_draft_min_cols(void);
 
 /* pin the named family for this context's decode passes (up to 32 columns; larger passes follow
- * the policy): NULL or "" unpins. BITSPLIT_E_UNSUPPORTED if this CPU cannot run it (under the cap).
+ * the policy, except in batch-invariant mode: every pass): NULL or "" unpins. BITSPLIT_E_UNSUPPORTED if this CPU cannot run it (under the cap).
  * One family for every pass of a generation keeps speculative output identical to plain decoding. */
 int bitsplit_ctx_set_kernel(bitsplit_ctx * ctx, const char * name);
 /* pin the family the policy picks for decode passes of n_cols columns; returns its name */

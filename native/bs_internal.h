@@ -27,6 +27,8 @@ typedef struct bs_entry {
     size_t res_row_bytes;
     const uint8_t * res_data;    /* in the residual's map */
     const uint8_t * base_data;   /* in this library's map of base.gguf */
+    bool exact;                  /* a base weight without residual (res_data NULL): the source's own
+                                    weight, computed here only for batch invariance */
     struct bitsplit_ctx * ctx;
 } bs_entry;
 
@@ -50,6 +52,8 @@ typedef struct bs_job {
     float * y;                   /* n_cols columns of N floats, ldy apart */
     int64_t ldy;
     bool accumulate;             /* y += ... instead of y = ... */
+    bool draft;                  /* the fast drafter's product (base alone, speed before precision);
+                                    r == NULL without it: a weight that has no residual */
     int precision;               /* BITSPLIT_PREC_F32 or BITSPLIT_PREC_BF16 (resolved) */
     void * acts;                 /* activations prepared once per job (shared by the threads) */
 } bs_job;
@@ -115,8 +119,9 @@ struct bitsplit_ctx {
     void * map_base;
     size_t map_base_size;
 
-    bs_entry * entries;
+    bs_entry * entries;          /* residual tensors [0, n_entries), then the base's exact weights */
     int64_t n_entries;
+    int64_t n_all;
     int64_t * table; /* open addressing: name hash -> entry index, -1 empty */
     int64_t table_size;
 
@@ -130,6 +135,10 @@ struct bitsplit_ctx {
      * (BITSPLIT_KERNEL) it serves every batch. NULL: the kernel policy decides per product. */
     const bs_kernel_family * pinned;
     bool pin_all;
+    /* batch-invariant verification (on by default): the pinned family serves every batch size, and
+     * the base's weights without residual (the output head, base-exact tensors) are computed here
+     * too, so that a row's result never depends on the rest of its batch */
+    bool invariant;
 
     /* shared by the threads of one product (nodes run one after another) */
     void * acts;
@@ -150,7 +159,7 @@ struct bitsplit_ctx {
 
     /* counters (updated by thread 0 of a product) */
     atomic_uint_fast64_t c_products, c_add, c_rows, c_cols, c_bres, c_bbase, c_ns, c_err, c_draft, c_ns_draft;
-    atomic_uint_fast64_t c_bdev_in, c_bdev_out, c_ns_xfer, c_overlap, c_ns_wait, c_stops;
+    atomic_uint_fast64_t c_bdev_in, c_bdev_out, c_ns_xfer, c_overlap, c_ns_wait, c_stops, c_exact;
 
     pthread_mutex_t err_lock;
     int err_status;

@@ -5,7 +5,10 @@
  * with no extra synchronisation); the original op is kept in the node's op_params and restored the
  * next time the node is seen with the callback disabled (llama.cpp reuses graphs). A node in a
  * device buffer is observed instead (ask returns true) and corrected afterwards (add mode). With
- * the residual off and the fast drafter on, base products of CPU nodes become custom ops too.
+ * the residual off and the fast drafter on, base products of CPU nodes become custom ops too. In
+ * batch-invariant mode, CPU products with the base's weights that have no residual (the output
+ * head, tensors the split kept exact) are computed here as well, by the same pinned family: ggml's
+ * own kernels switch paths with the batch size.
  */
 #define _GNU_SOURCE
 #include "bitsplit.h"
@@ -53,6 +56,7 @@ static void mul_mat(struct ggml_tensor * dst, int ith, int nth, const bs_entry *
     bs_fill_job(&job, e, base_rows(e, w), 0, e->ne[1]);
     if (base_only) {
         job.r = NULL;
+        job.draft = true;
     }
     bs_job_columns(&job, ctx, (const float *)x->data, ggml_nrows(x), (float *)dst->data);
     job.acts = ctx->acts;
@@ -63,6 +67,11 @@ static void mul_mat(struct ggml_tensor * dst, int ith, int nth, const bs_entry *
     if (base_only) {
         atomic_fetch_add(&ctx->c_draft, 1);
         atomic_fetch_add(&ctx->c_ns_draft, bs_now_ns() - t0);
+    } else if (e->exact) {
+        atomic_fetch_add(&ctx->c_exact, 1);
+        atomic_fetch_add(&ctx->c_cols, (uint64_t)job.n_cols);
+        atomic_fetch_add(&ctx->c_bbase, (uint64_t)job.N * job.w2_row_bytes);
+        atomic_fetch_add(&ctx->c_ns, bs_now_ns() - t0);
     } else {
         bs_count_job(ctx, &job, t0, false);
     }
@@ -270,6 +279,9 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     }
     const struct ggml_tensor * x = t->src[1];
     const bool cpu = host(t) && x != NULL && host(x);
+    if (e->exact && (op != GGML_OP_MUL_MAT || !cpu || !ctx->invariant || ctx->mode == BITSPLIT_MODE_ADD)) {
+        return false; /* nothing to add: ggml's own product is the verifier's */
+    }
     if (op == GGML_OP_GET_ROWS) {
         if (!cpu || ctx->mode == BITSPLIT_MODE_ADD || x->type != GGML_TYPE_I32 || !ggml_is_contiguous(x) ||
             t->type != GGML_TYPE_F32 || t->ne[0] != e->ne[0] || e->ne[2] != 1 || e->ne[3] != 1 || !ctx->replace_ok) {
@@ -326,13 +338,14 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
 static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     const bs_entry * e = entry_for(ctx, t);
     const struct ggml_tensor * x = t->src[1];
-    if (e == NULL || x == NULL || !host(t) || !host(x) || !ctx->replace_ok || e->ne[2] != 1 || e->ne[3] != 1 ||
+    if (e == NULL || e->exact || x == NULL || !host(t) || !host(x) || !ctx->replace_ok || e->ne[2] != 1 || e->ne[3] != 1 ||
         !plain_f32_matrix(x) || !plain_f32_matrix(t) || x->ne[0] != e->ne[0] || t->ne[0] != e->ne[1]) {
         return false;
     }
     bs_job job;
     bs_fill_job(&job, e, e->base_data, 0, e->ne[1]);
     job.r = NULL;
+    job.draft = true;
     bs_job_columns(&job, ctx, NULL, ggml_nrows(x), NULL);
     if (bs_draft_policy(&job) == NULL) {
         return false; /* ggml's own kernel is as fast or faster here */
@@ -360,7 +373,7 @@ static void count_transfer(bitsplit_ctx * ctx, const struct ggml_tensor * t, siz
 /* ask == false for an observed node: add R . x (the node holds W2 . x, possibly on a device) */
 static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     const bs_entry * e = entry_for(ctx, t);
-    if (e == NULL) {
+    if (e == NULL || e->exact) {
         return true;
     }
     const uint64_t t0 = bs_now_ns();

@@ -170,10 +170,15 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
         st = fail(err, err_size, BITSPLIT_E_FORMAT, "%s: absurd tensor count %lld", residual_path, (long long)n);
         goto fail;
     }
+    const int64_t n_base = gguf_get_n_tensors(g_base);
+    if (n_base < 0 || n_base > (1 << 20)) {
+        st = fail(err, err_size, BITSPLIT_E_FORMAT, "%s: absurd tensor count %lld", base_path, (long long)n_base);
+        goto fail;
+    }
     ctx->n_entries = n;
-    ctx->entries = calloc((size_t)(n > 0 ? n : 1), sizeof(bs_entry));
+    ctx->entries = calloc((size_t)(n + n_base > 0 ? n + n_base : 1), sizeof(bs_entry));
     ctx->table_size = 16;
-    while (ctx->table_size < 2 * n + 2) {
+    while (ctx->table_size < 2 * (n + n_base) + 2) {
         ctx->table_size *= 2;
     }
     ctx->table = malloc((size_t)ctx->table_size * sizeof(int64_t));
@@ -263,6 +268,42 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
         }
         ctx->table[h] = i;
     }
+    /* the base's weights without residual (matrices of a readable type): computed here in
+     * batch-invariant mode; a tensor that does not qualify is simply left to ggml */
+    ctx->n_all = n;
+    for (int64_t bi = 0; bi < n_base; bi++) {
+        const char * name = gguf_get_tensor_name(g_base, bi);
+        if (name == NULL || strlen(name) >= GGML_MAX_NAME || bs_find_entry(ctx, name) != NULL) {
+            continue;
+        }
+        const struct ggml_tensor * tb = ggml_get_tensor(meta_base, name);
+        if (tb == NULL || tb->ne[1] < 2 || tb->ne[2] != 1 || tb->ne[3] != 1 || !bs_type_readable(tb->type)) {
+            continue;
+        }
+        const size_t bb = tensor_bytes(tb->type, tb->ne);
+        const size_t bo = base_data0 + gguf_get_tensor_offset(g_base, bi);
+        if (bb == 0 || bo < base_data0 || bo > ctx->map_base_size || bb > ctx->map_base_size - bo) {
+            st = fail(err, err_size, BITSPLIT_E_FORMAT, "%s: truncated: tensor '%s' extends past the end of the file",
+                      base_path, name);
+            goto fail;
+        }
+        bs_entry * e = &ctx->entries[ctx->n_all];
+        snprintf(e->name, sizeof(e->name), "%s", name);
+        e->ctx = ctx;
+        memcpy(e->ne, tb->ne, sizeof(e->ne));
+        e->base_type = tb->type;
+        e->res_type = tb->type; /* unused: res_data is NULL */
+        e->exact = true;
+        e->n_rows = e->ne[1];
+        e->base_row_bytes = ggml_row_size(e->base_type, e->ne[0]);
+        e->base_data = (const uint8_t *)ctx->map_base + bo;
+        uint64_t h = bs_hash_name(name) & (uint64_t)(ctx->table_size - 1);
+        while (ctx->table[h] >= 0) {
+            h = (h + 1) & (uint64_t)(ctx->table_size - 1);
+        }
+        ctx->table[h] = ctx->n_all++;
+    }
+    ctx->invariant = true;
     gguf_free(g_res);
     gguf_free(g_base);
     ggml_free(meta_res);

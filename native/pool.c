@@ -161,12 +161,19 @@ void bs_barrier(bitsplit_ctx * ctx, int nth) {
  * decode pass by the family pinned for this generation; anything else by the kernel policy
  * (kernels.c), the one place that knows the thresholds. */
 static const bs_kernel_family * family_for(const bitsplit_ctx * ctx, const bs_job * job) {
-    if (job->r == NULL && job->w2 != NULL) { /* the fast drafter: ask_draft took it for this family */
+    if (job->draft) { /* the fast drafter: ask_draft took it for this family */
         const bs_kernel_family * f = bs_draft_policy(job);
         return f != NULL ? f : bs_generic_family();
     }
-    if (ctx->pinned != NULL && (ctx->pin_all || job->n_cols <= BS_DECODE_COLS) && ctx->pinned->supports(job)) {
-        return ctx->pinned;
+    if (ctx->pinned != NULL && (ctx->pin_all || ctx->invariant || job->n_cols <= BS_DECODE_COLS)) {
+        if (ctx->pinned->supports(job)) {
+            return ctx->pinned;
+        }
+        if (ctx->invariant) {
+            /* a product the pinned family does not compute (a weight without residual on the
+             * tile families): one choice for every batch size */
+            return bs_policy(1, job);
+        }
     }
     return bs_policy(job->n_cols, job);
 }
@@ -227,7 +234,7 @@ void bs_count_job(bitsplit_ctx * ctx, const bs_job * job, uint64_t t0, bool add)
 void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t row0, int64_t N) {
     memset(job, 0, sizeof(*job));
     job->w2 = w2;
-    job->r = e->res_data + (size_t)row0 * e->res_row_bytes;
+    job->r = e->res_data != NULL ? e->res_data + (size_t)row0 * e->res_row_bytes : NULL;
     job->w2_type = e->base_type;
     job->r_type = e->res_type;
     job->w2_row_bytes = e->base_row_bytes;

@@ -39,6 +39,7 @@ class Counters:
     n_overlapped: int = 0        # add-mode products whose R . x ran while the device computed W2 . x
     seconds_wait: float = 0.0    # time the graph waited for those after the device's part
     n_stops: int = 0             # nodes the graph stopped after for the library (a device sync each)
+    n_exact_products: int = 0    # base weights without residual computed by the library (batch invariance)
 
 
 def _raise(status: int, message: str) -> None:
@@ -132,6 +133,17 @@ class Residual:
         if st != 0:
             _raise(st, "out of memory for the overlap's tables")
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Batch-invariant verification (default on): the pinned kernel family serves every batch size
+        and the base's weights without residual (the output head, tensors kept exact) are computed by
+        the library's kernels too, so that a verified row does not depend on the rest of its batch."""
+        return bool(self._lib.bitsplit_ctx_get_batch_invariant(self.ptr))
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._lib.bitsplit_ctx_set_batch_invariant(self.ptr, bool(on))
+
     def set_threads(self, n: int) -> None:
         if self._lib.bitsplit_ctx_set_threads(self.ptr, int(n)) != 0:
             raise InvalidOptionError(f"threads: {n} is not in 1..64")
@@ -160,7 +172,8 @@ class Residual:
         self._lib.bitsplit_ctx_get_counters(self.ptr, c)
         return Counters(c.n_products, c.n_add_products, c.n_get_rows, c.n_columns, c.bytes_residual, c.bytes_base,
                         c.ns_inside / 1e9, c.n_errors, c.n_draft_products, c.ns_draft / 1e9, c.bytes_from_device,
-                        c.bytes_to_device, c.ns_transfer / 1e9, c.n_overlapped, c.ns_wait / 1e9, c.n_stops)
+                        c.bytes_to_device, c.ns_transfer / 1e9, c.n_overlapped, c.ns_wait / 1e9, c.n_stops,
+                        c.n_exact_products)
 
     def reset_counters(self) -> None:
         self._lib.bitsplit_ctx_reset_counters(self.ptr)

@@ -32,10 +32,16 @@ class SplitModel:
                  n_gpu_layers: int | None = None, precision: str = "auto", verbose: bool = False,
                  check_fingerprint: bool = True, flash_attn: bool | None = None, kv_type: str = "f16",
                  fast_drafter: bool | None = None, reserve: int | None = None, rpc=None,
-                 rpc_timeout: float = rpc_mod.DEFAULT_TIMEOUT_S, overlap: bool = True):
+                 rpc_timeout: float = rpc_mod.DEFAULT_TIMEOUT_S, overlap: bool = True, batch_invariant: bool = True):
         """``rpc``: ``HOST:PORT[,...]`` of llama.cpp RPC servers: the base's ``n_gpu_layers`` layers
         (None: all) live there, the residual here, products are completed in add mode (``overlap``:
-        R . x beside the device's W2 . x)."""
+        R . x beside the device's W2 . x).
+
+        ``batch_invariant`` (default): a verified row's logits do not depend on the rest of its batch
+        (of 2 rows or more), so speculative greedy output is plain decoding's at any tree size: one
+        kernel family for every pass, the products without residual (output head) in the library's
+        kernels, and, on the CPU, llama.cpp's plain attention (``flash_attn`` None becomes False):
+        its CPU flash attention switches to a tiled path from 64 rows, with other float sums."""
         self.dir = Path(model_dir)
         self._lock = threading.Lock()
         # KV cells beyond the n_ctx positions (see Context): by default one per sequence, which holds
@@ -60,8 +66,11 @@ class SplitModel:
                 f"--n-gpu-layers {n_gpu_layers}: llama.cpp sees no GPU here (this llama-cpp-python was built for the "
                 "CPU: see the README on building it for CUDA, Vulkan or Metal); use --rpc HOST:PORT for a remote device")
         self.n_gpu_layers = n_gpu_layers
+        if flash_attn is None and batch_invariant and n_gpu_layers == 0:
+            self._ctx_kw["flash_attn"] = False
         self.residual = Residual(model_dir, check_fingerprint=check_fingerprint)
         try:
+            self.residual.batch_invariant = batch_invariant
             self.residual.set_precision(precision)
             self.residual.set_overlap(overlap)
             if rpc is not None and rpc != "" and rpc != []:

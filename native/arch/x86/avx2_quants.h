@@ -261,26 +261,36 @@ TGT static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-/* One compiled body per (base type, residual type) of a family's rows_body(job, bt, rt, r0, r1,
- * scratch), so that the decoders' switches fold away, and rows_for(job): the job's body, or NULL
- * for types the families do not take. Expand once, after rows_body. */
+/* One compiled body per (base type, residual type) of a family's rows_body(job, bt, rt, coarse, r0,
+ * r1, scratch), so that the decoders' switches fold away, and rows_for(job): the job's body, or NULL
+ * for types the families do not take. A base alone comes twice: coarse (the fast drafter, job->draft)
+ * and at the verifier's precision (a weight without residual); a family whose arithmetic does not
+ * depend on it defines AVX2_SAME_BASE_BODIES to share one body. Expand once, after rows_body. */
 typedef void (*avx2_rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
-#define AVX2_BODY(B, R) \
-    TGT static void rows_##B##_##R(const bs_job * j, int64_t r0, int64_t r1, bs_scratch * s) { rows_body(j, B, R, r0, r1, s); }
+#define AVX2_BODY_AS(NAME, B, R, C) \
+    TGT static void NAME(const bs_job * j, int64_t r0, int64_t r1, bs_scratch * s) { rows_body(j, B, R, C, r0, r1, s); }
+#define AVX2_BODY(B, R) AVX2_BODY_AS(rows_##B##_##R, B, R, (R) == T_NONE)
+#ifdef AVX2_SAME_BASE_BODIES
 #define AVX2_BODIES(B) AVX2_BODY(B, T_NONE) AVX2_BODY(B, T_Q6_K) AVX2_BODY(B, T_Q8_0)
-#define AVX2_ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0}
+#define AVX2_ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0, rows_##B##_T_NONE}
+#else
+#define AVX2_BODIES(B) \
+    AVX2_BODY(B, T_NONE) AVX2_BODY(B, T_Q6_K) AVX2_BODY(B, T_Q8_0) AVX2_BODY_AS(rows_##B##_exact, B, T_NONE, false)
+#define AVX2_ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0, rows_##B##_exact}
+#endif
 #define AVX2_ROW_BODIES                                                                                          \
     AVX2_BODIES(T_Q2_K) AVX2_BODIES(T_Q3_K) AVX2_BODIES(T_Q4_K) AVX2_BODIES(T_Q5_K) AVX2_BODIES(T_Q6_K)          \
     AVX2_BODIES(T_Q8_0) AVX2_BODIES(T_Q4_0) AVX2_BODIES(T_Q4_1) AVX2_BODY(T_NONE, T_Q6_K) AVX2_BODY(T_NONE, T_Q8_0) \
-    /* [base code][0: unused, 1: no residual, 2: Q6_K residual, 3: Q8_0 residual] */                             \
-    static const avx2_rows_fn BODY_TABLE[T_COUNT][4] = {                                                        \
-        {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0},                                                   \
+    /* [base code][0: unused, 1: no residual (drafter), 2: Q6_K residual, 3: Q8_0 residual,                     \
+     *  4: no residual, verifier's precision] */                                                               \
+    static const avx2_rows_fn BODY_TABLE[T_COUNT][5] = {                                                        \
+        {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0, NULL},                                             \
         AVX2_ROW(T_Q2_K), AVX2_ROW(T_Q3_K), AVX2_ROW(T_Q4_K), AVX2_ROW(T_Q5_K), AVX2_ROW(T_Q6_K),               \
         AVX2_ROW(T_Q8_0), AVX2_ROW(T_Q4_0), AVX2_ROW(T_Q4_1),                                                   \
     };                                                                                                          \
     static avx2_rows_fn rows_for(const bs_job * job) {                                                          \
         const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);                          \
-        const int col = rt == T_NONE ? 1 : rt == T_Q6_K ? 2 : rt == T_Q8_0 ? 3 : -1;                            \
+        const int col = rt == T_NONE ? (job->draft ? 1 : 4) : rt == T_Q6_K ? 2 : rt == T_Q8_0 ? 3 : -1;         \
         return bt < 0 || col < 0 ? NULL : BODY_TABLE[bt][col];                                                  \
     }
 

@@ -54,6 +54,7 @@ static void avx2_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
  * added before anything is stored.
  * ------------------------------------------------------------------------------------------- */
 
+#define AVX2_SAME_BASE_BODIES /* f32 arithmetic: no coarse variant */
 #include "avx2_quants.h"
 
 /* group g as four f32 vectors, W = D u + O */
@@ -184,7 +185,8 @@ INL void prefetch_chunk(const bs_job * job, int bt, int rt, int64_t r, int nr, i
     }
 }
 
-INL void rows_body(const bs_job * job, int bt, int rt, int64_t r0, int64_t r1, bs_scratch * scratch) {
+INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, int64_t r1, bs_scratch * scratch) {
+    (void)coarse; /* f32 arithmetic: the drafter's and the verifier's are one */
     const int64_t K = job->K, nc = job->n_cols;
     if (nc < 1) {
         return;

@@ -66,7 +66,7 @@ static size_t int16_acts_size(const bs_job * job) { return (size_t)job->n_cols *
 
 TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
     const int64_t K = job->K, qa = qa_of(job);
-    const bool coarse = job->r == NULL; /* the fast drafter: one digit */
+    const bool coarse = job->draft; /* the fast drafter: one digit */
     const int xmax = coarse ? XMAX1 : XMAX2;
     const size_t cb = col_bytes(job);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -254,8 +254,7 @@ INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
  * group decoded in registers and applied to every column at once. */
 INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
                     const uint8_t * rp, __m256i Sb, __m256i Sr, unit_buf * hb, unit_buf * hr, int64_t k0, int64_t c0,
-                    int ncb, __m256 * tot) {
-    const bool coarse = rt == T_NONE;
+                    int ncb, __m256 * tot, bool coarse) {
     colp a[2];
     sums ab[2], ar[2];
     for (int j = 0; j < ncb; j++) {
@@ -285,12 +284,11 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
 
 /* Every (row, column) sees the same operations in the same order: per unit, each half's sums
  * (base first), their offsets, times the block scale s, into the column's total. */
-INL void rows_body(const bs_job * job, int bt, int rt, int64_t r0, int64_t r1, bs_scratch * scratch) {
+INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, int64_t r1, bs_scratch * scratch) {
     const int64_t K = job->K, nc = job->n_cols;
     if (nc < 1) {
         return;
     }
-    const bool coarse = rt == T_NONE; /* base alone: the fast drafter's 8-bit activations */
     const int qa = unit_of(bt, rt);
     const int ng = qa / 32;
     const size_t cb = col_bytes(job);
@@ -320,8 +318,8 @@ INL void rows_body(const bs_job * job, int bt, int rt, int64_t r0, int64_t r1, b
             if (rt != T_NONE) decode_scales(rt, rp, hr, &Sr);
             if (nc <= FUSED_COLS) { /* straight from registers, two columns at a time */
                 int64_t c = 0;
-                for (; c + 2 <= nc; c += 2) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 2, tot);
-                if (c < nc) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 1, tot);
+                for (; c + 2 <= nc; c += 2) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 2, tot, coarse);
+                if (c < nc) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 1, tot, coarse);
                 continue;
             }
             _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {

@@ -67,11 +67,11 @@ static size_t int_acts_size(const bs_job * job) {
     return (size_t)job->n_cols * (size_t)(job->K / QK) * sizeof(act_block) + 64;
 }
 
-/* The fast drafter (job->r == NULL: the base alone) needs speed, not precision: its activations
+/* The fast drafter (job->draft: the base alone) needs speed, not precision: its activations
  * are rounded to 8 bits per 256 values (as ggml's own K-quant products do), one digit instead of three. */
 TGT static void int_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
     const int64_t nb = job->K / QK;
-    const bool coarse = job->r == NULL;
+    const bool coarse = job->draft;
     const float xmax = coarse ? 127.0f : XMAX;
     act_block * acts = job->acts;
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -338,8 +338,10 @@ TGT static void int_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch 
                 if (rrow) {
                     v = block_dot(&wr, a);
                     if (brow) v = _mm512_add_ps(block_dot(&wb, a), v);
-                } else {
+                } else if (job->draft) {
                     v = block_dot8(&wb, a); /* base alone (the fast drafter) */
+                } else {
+                    v = block_dot(&wb, a); /* a weight without residual, at the verifier's precision */
                 }
                 tot[c] = _mm512_fmadd_ps(_mm512_set1_ps(a->s), v, tot[c]);
             }

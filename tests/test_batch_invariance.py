@@ -1,0 +1,98 @@
+"""Batch invariance of the verifier: a row's logits do not depend on the rest of its batch, so that
+speculative greedy output is plain decoding's at any tree size, and a prompt decoded in one batch
+gives the logits generation's steps give."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as QT
+
+from bitsplit_llama.formats.split import split_model
+from bitsplit_llama.runtime.verifier import SplitModel
+from bitsplit_llama.speculative.generate import Generator
+from synth import tiny_llama_weights, write_llama_gguf
+
+PROMPT = [1] + list(range(260, 290))
+PROMPTS = [[1] + list(range(280 + 5 * p, 294 + 5 * p)) for p in range(4)]
+
+
+@pytest.fixture(scope="module")
+def exact_split(tmp_path_factory):
+    """A tiny model whose output head is Q6_K in the source: the split keeps it exact (no residual),
+    as real Q4_K_M models keep theirs, so ggml would compute it but for the library."""
+    d = tmp_path_factory.mktemp("exact-split")
+    src = write_llama_gguf(d / "src.gguf", tiny_llama_weights(5), types={"output.weight": int(QT.Q6_K)})
+    split_model(src, d / "split", threads=2)
+    return d / "split"
+
+
+def _row0(sm: SplitModel, rows: int) -> np.ndarray:
+    """Row 0's logits in a verify pass of ``rows`` rows (siblings in their own sequences)."""
+    n = len(PROMPT)
+    sm.ctx.clear()
+    with sm.verifying() as ctx:
+        ctx.decode(PROMPT, range(n), logits=False)
+        for s in range(1, rows):
+            ctx.seq_cp(0, s, 0, n)
+        ctx.decode([PROMPT[-1]] + [3 + (i * 7) % 330 for i in range(rows - 1)], [n] * rows, seq_ids=[[s] for s in range(rows)])
+        return ctx.logits_ith(0).copy()
+
+
+def test_exact_weights_are_in_the_split(exact_split):
+    from bitsplit_llama.native.residual import Residual
+
+    with Residual(exact_split) as r:
+        names = {t[0] for t in r.tensors()}
+    assert "output.weight" not in names and "blk.0.attn_q.weight" in names
+
+
+def test_row0_does_not_depend_on_the_batch(exact_split):
+    rows = [2, 3, 4, 5, 8, 16, 17, 33, 63, 64, 65, 100, 130]
+    with SplitModel(exact_split, n_ctx=256, n_batch=max(rows), n_seq_max=max(rows)) as sm:
+        sm.residual.choose_decode_kernel(17)
+        sm.residual.reset_counters()
+        ref = _row0(sm, 2)
+        assert sm.residual.counters().n_exact_products > 0  # the output head ran in the library
+        for r in rows[1:]:
+            got = _row0(sm, r)
+            assert np.array_equal(got, ref), (r, float(np.abs(got - ref).max()))
+
+
+def test_invariance_off_leaves_the_output_head_to_ggml(exact_split):
+    """Off: nothing without residual is computed here; the logits differ from the invariant
+    verifier's only by rounding (the library's product of the exact head is right)."""
+    with SplitModel(exact_split, n_ctx=256, n_batch=32, n_seq_max=4) as sm:
+        sm.residual.choose_decode_kernel(17)
+        inv = _row0(sm, 2)
+        sm.residual.batch_invariant = False
+        sm.residual.reset_counters()
+        off = _row0(sm, 2)
+        assert sm.residual.counters().n_exact_products == 0
+        assert sm.residual.counters().n_products > 0
+    assert np.abs(inv - off).max() < 2e-2 * np.abs(off).max()
+    assert int(np.argmax(inv)) == int(np.argmax(off))
+
+
+def test_prompt_in_one_batch_equals_generation_steps(exact_split):
+    """eval decodes a prompt in one batch, generation one token at a time (two-row steps)."""
+    n = len(PROMPT)
+    with SplitModel(exact_split, n_ctx=256, n_batch=64, n_seq_max=4) as sm:
+        sm.residual.choose_decode_kernel(17)
+        with sm.verifying() as ctx:
+            ctx.decode(PROMPT, range(n), logits=True)
+            whole = np.stack([ctx.logits_ith(i).copy() for i in range(n)])
+            ctx.clear()
+            for i, t in enumerate(PROMPT):
+                ctx.decode([t, t], [i, i], seq_ids=[[0], [1]], logits=[True, False])
+                assert np.array_equal(ctx.logits_ith(0), whole[i]), i
+                ctx.seq_rm(1, -1, -1)
+
+
+@pytest.mark.parametrize("nodes", [1, 4, 16, 64])
+def test_greedy_speculative_equals_verifier_alone_at_any_tree_size(exact_split, nodes):
+    with Generator(exact_split, n_ctx=512, tree_nodes=nodes) as g:
+        for p in PROMPTS:
+            plain = g.generate(p, max_tokens=48, speculative=False)
+            spec = g.generate(p, max_tokens=48, speculative=True)
+            assert spec.tokens == plain.tokens, (nodes, p)
