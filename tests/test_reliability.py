@@ -193,6 +193,11 @@ OPTION_CASES = [
     (["plan", "{tmp}/nope", "--vram", "24"], 1, "neither a GGUF file nor a known model"),
     (["plan", "llama-3-70b", "--vram", "-1"], 2, "--vram: -1"),
     (["plan", "llama-3-70b", "--vram", "24", "--residual", "q4"], 2, "--residual: 'q4'"),
+    (["plan", "llama-3-70b"], 2, "--vram: required"),
+    (["plan", "llama-3-70b", "--gpu", "igpu"], 2, "--gpu: 'igpu'"),
+    (["plan", "{split}", "--gpu", "none", "--vram", "24"], 2, "--vram with --gpu none"),
+    (["plan", "{split}", "--vram", "24"], 2, "planned with --gpu none"),
+    (["split", "{src}", "-o", "{tmp}/out", "--residual", "q3_k"], 2, "--residual: unknown residual type 'q3_k'"),
 ]
 
 

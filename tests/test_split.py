@@ -206,8 +206,8 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_invalid_options(tiny_f32, tmp_path):
-    with pytest.raises(InvalidOptionError, match="unknown residual type 'q5_k'"):
-        split_model(tiny_f32, tmp_path / "out", residual="q5_k")
+    with pytest.raises(InvalidOptionError, match="unknown residual type 'q3_k'"):
+        split_model(tiny_f32, tmp_path / "out", residual="q3_k")
     with pytest.raises(InvalidOptionError, match="threads"):
         split_model(tiny_f32, tmp_path / "out", threads=0)
     with pytest.raises(InputError, match="imatrix file not found"):

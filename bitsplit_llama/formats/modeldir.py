@@ -21,7 +21,7 @@ from .split import (BASE_CHECKSUMS_KEY, BASE_NAME, FORMAT_VERSION, RESIDUAL_CHEC
                     BitsPerWeight)
 
 #: residual tensor types the verifier knows how to apply
-SUPPORTED_RESIDUAL_TYPES = {int(QT.Q6_K), int(QT.Q8_0), int(QT.F16), int(QT.F32)}
+SUPPORTED_RESIDUAL_TYPES = {int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K), int(QT.Q8_0), int(QT.F16), int(QT.F32)}
 
 
 @dataclass
@@ -109,7 +109,7 @@ def check_pair(base: GGUFFile, res: GGUFFile, *, check_fingerprint: bool = True)
             raise MismatchError(f"{res.path}: tensor '{rt.name}' is {rt.shape_str()} but the base has {bt.shape_str()}")
         if rt.ggml_type not in SUPPORTED_RESIDUAL_TYPES:
             raise UnsupportedModelError(
-                f"{res.path}: tensor '{rt.name}' has type {rt.type_name}; residuals must be Q6_K, Q8_0, F16 or F32"
+                f"{res.path}: tensor '{rt.name}' has type {rt.type_name}; residuals must be Q4_K, Q5_K, Q6_K, Q8_0, F16 or F32"
             )
     return fp_ok
 

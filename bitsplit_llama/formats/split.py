@@ -41,13 +41,14 @@ BASE_NAME = "base.gguf"
 RESIDUAL_NAME = "residual.gguf"
 
 #: residual types offered to users, and the ggml type each one stores
-RESIDUAL_TYPES: dict[str, int] = {"q6_k": int(QT.Q6_K), "q8_0": int(QT.Q8_0), "f16": int(QT.F16), "f32": int(QT.F32)}
+RESIDUAL_TYPES: dict[str, int] = {"q4_k": int(QT.Q4_K), "q5_k": int(QT.Q5_K), "q6_k": int(QT.Q6_K), "q8_0": int(QT.Q8_0),
+                                  "f16": int(QT.F16), "f32": int(QT.F32)}
 #: llama_ftype of llama.cpp's mixes; q2_k is the product, q8_0/q6_k/... make comparison models
 FTYPES: dict[str, int] = {"q2_k": 10, "q3_k_m": 12, "q4_0": 2, "q4_1": 3, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18,
                           "q8_0": 7, "f16": 1, "f32": 0}
 
 # Fallback chain when a row width is not a multiple of the residual type's block.
-_FALLBACK = {int(QT.Q6_K): int(QT.Q8_0), int(QT.Q8_0): int(QT.F16)}
+_FALLBACK = {int(QT.Q4_K): int(QT.Q8_0), int(QT.Q5_K): int(QT.Q8_0), int(QT.Q6_K): int(QT.Q8_0), int(QT.Q8_0): int(QT.F16)}
 
 #: rows are processed in chunks of at most this many elements (4 float32 copies live per chunk)
 CHUNK_ELEMENTS = 1 << 22
@@ -124,7 +125,7 @@ class SplitReport(BitsPerWeight):
 
 def residual_type_for(n_per_row: int, wanted: int) -> int:
     """The residual type for a row width: ``wanted`` if its block divides the width, else the
-    next in Q6_K -> Q8_0 -> F16 whose block does."""
+    next in (Q4_K | Q5_K | Q6_K) -> Q8_0 -> F16 whose block does."""
     t = wanted
     while True:
         blck = _ggml.traits(t).blck_size

@@ -196,15 +196,29 @@ class Residual:
             out.append((self._ffi.string(name[0]).decode(), tuple(ne[j] for j in range(4)), bt[0], rt[0]))
         return out
 
+    def exact_tensors(self) -> list[str]:
+        """The base's matrices without residual (kept exact by the split), which the library
+        computes in batch-invariant mode."""
+        res = {t[0] for t in self.tensors()}
+        with GGUFFile(self.base_path) as b:
+            return [t.name for t in b.tensors if t.name not in res and len(t.shape) == 2 and t.shape[1] > 1]
+
     def matmul(self, name: str, x: np.ndarray, with_base: bool = True) -> np.ndarray:
         """(W2 + R) . x (or R . x) for a 2-D weight, x of shape (n_cols, ne0): the callback's kernels
-        on this context's own threads. Returns (n_cols, ne1) float32."""
+        on this context's own threads. Returns (n_cols, ne1) float32. For a base matrix without
+        residual (``exact_tensors``), W2 . x at the verifier's precision (``with_base`` only)."""
         if getattr(self, "_info", None) is None:
             self._info = {t[0]: t for t in self.tensors()}
         info = self._info
-        if name not in info:
+        if name in info:
+            ne = info[name][1]
+        elif name in self.exact_tensors():
+            if not with_base:
+                raise InvalidOptionError(f"'{name}' has no residual: only with_base=True")
+            with GGUFFile(self.base_path) as b:
+                ne = tuple(b.tensor(name).shape) + (1, 1)
+        else:
             raise InputError(f"{self.residual_path}: has no tensor '{name}'")
-        ne = info[name][1]
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != ne[0]:
             raise InvalidOptionError(f"x must have shape (n_cols, {ne[0]}), got {x.shape}")

@@ -66,8 +66,8 @@ class SplitModel:
                 f"--n-gpu-layers {n_gpu_layers}: llama.cpp sees no GPU here (this llama-cpp-python was built for the "
                 "CPU: see the README on building it for CUDA, Vulkan or Metal); use --rpc HOST:PORT for a remote device")
         self.n_gpu_layers = n_gpu_layers
-        if flash_attn is None and batch_invariant and n_gpu_layers == 0:
-            self._ctx_kw["flash_attn"] = False
+        if flash_attn is None and batch_invariant and n_gpu_layers == 0 and kv_type in ("f16", "f32"):
+            self._ctx_kw["flash_attn"] = False  # (a quantized V cache needs flash attention in llama.cpp)
         self.residual = Residual(model_dir, check_fingerprint=check_fingerprint)
         try:
             self.residual.batch_invariant = batch_invariant

@@ -229,7 +229,7 @@ class BenchReport:
         med = statistics.median(self.rates) if self.rates else 0.0
         vmed = statistics.median(self.vs_rates) if self.vs_rates else 0.0
         tot = {k: sum(s.get(k, 0) for s in self.stats) for k in
-               ("n_tokens", "n_verify", "draft_seconds", "verify_seconds", "residual_seconds", "residual_bytes",
+               ("n_tokens", "n_verify", "n_draft_passes", "draft_seconds", "verify_seconds", "residual_seconds", "residual_bytes",
                 "total_seconds", "prompt_seconds", "draft_decode_seconds", "verify_decode_seconds")}
         gen = max(1e-9, tot["total_seconds"] - tot["prompt_seconds"])
         other = gen - tot["draft_seconds"] - tot["verify_seconds"]
@@ -242,6 +242,7 @@ class BenchReport:
             "speedup_vs": round(med / vmed, 4) if vmed else 0.0,
             "median_pair_ratio": round(statistics.median(self.per_prompt_ratio), 4) if self.per_prompt_ratio else 0.0,
             "accepted_per_verify": round(tot["n_tokens"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
+            "draft_passes_per_verify": round(tot["n_draft_passes"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
             "tree_nodes": self.tree_nodes, "tree_shape": last.get("shape"), "kernel": last.get("kernel"), "drafter": last.get("drafter"),
             "draft_products": last.get("draft_products", 0),
             "time_split": {"draft": round(tot["draft_seconds"] / gen, 4), "verify": round(tot["verify_seconds"] / gen, 4),

@@ -11,6 +11,13 @@ bitsplit, base on the GPU (as much as fits, the rest on the CPU), residual in sy
     t_residual = max(residual / (B_ram * e_ram),  residual_weights / (cores * w_core))
     t_pcie   = hooked products * (2 * latency + activation bytes / B_pcie)
     tokens/s = a / (rounds * t_draft + t_verify)
+With ``--gpu none`` (everything on this CPU, the case a measurement here can check):
+    t_q8     = q8 / (B_ram * e_ram)
+    t_draft  = base / (B_ram * e_ram)
+    t_verify = max((base + residual) / (B_ram * e_ram),  weights / (cores * w_core_wb))
+where w_core_wb is the (W2 + R) product's weights/s per core at the verification batch (machine
+profile). For a split directory, base and residual are its files' tensor bytes.
+
 where B_* are bandwidths, e_ram the fraction of RAM bandwidth a streaming pass reaches (0.8, as
 stock Q8_0 reaches here), w_core the residual weights per second one core of this machine computes
 at the verification batch (the native kernels, from this machine's profile: :mod:`.machine`), ``a`` the tokens per verification
@@ -36,7 +43,7 @@ PRESETS = {
 }
 #: bits per weight seen on real splits (Qwen2.5-Coder-1.5B: base 3.36; residual q6_k 5.68, q8_0 7.41)
 BASE_BPW = 3.4
-RESIDUAL_BPW = {"q6_k": 5.7, "q8_0": 7.5}
+RESIDUAL_BPW = {"q4_k": 3.9, "q5_k": 4.8, "q6_k": 5.7, "q8_0": 7.5}
 Q8_BPW = 8.5
 E_RAM = 0.8
 GPU_OVERHEAD = 1.0e9       # CUDA context, compute buffers
@@ -95,6 +102,100 @@ def _residual_rate_per_core(profile: dict | None, batch: int, why: str = "") -> 
     return rate, f"measured here: {src}"
 
 
+def _split_bytes(model: str) -> tuple[str, float, float] | None:
+    """(base.gguf path, base tensor bytes, residual tensor bytes) of a split directory, else None."""
+    p = Path(model)
+    if not p.is_dir():
+        return None
+    from ..formats.gguf_file import GGUFFile
+    from ..formats.modeldir import split_paths
+
+    base_p, res_p = split_paths(p)
+    with GGUFFile(base_p, role="base") as b, GGUFFile(res_p, role="residual") as r:
+        return str(base_p), float(sum(t.nbytes for t in b.tensors)), float(sum(t.nbytes for t in r.tensors))
+
+
+def _with_base_rate_per_core(profile: dict | None, batch: int, why: str = "") -> tuple[float, str]:
+    """(W2 + R) weights/s one core computes here at about ``batch`` columns (the machine profile's
+    largest measured batch not above it); the residual-only rate where the profile has none."""
+    rows = (profile or {}).get("with_base") or []
+    if not rows:
+        return _residual_rate_per_core(profile, batch, why)
+    below = [r for r in rows if r["batch"] <= batch]
+    row = max(below, key=lambda r: r["batch"]) if below else min(rows, key=lambda r: r["batch"])
+    return (float(row["weights_per_s_per_core"]),
+            f"measured here: machine profile, W2 + R ({row['family']}, batch {row['batch']}, {profile['threads']} "
+            f"threads)")
+
+
+def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None, residual: str = "q6_k",
+                  tokens_per_verify: float | None = None, rounds: float | None = None, cores: int | None = None,
+                  verify_rows: int = 17, log=None) -> dict:
+    """The cost model with no GPU: every pass streams its weights from RAM on this CPU (``--gpu
+    none``). A split directory gives the real base and residual bytes."""
+    if ram_bw is not None and not ram_bw > 0:
+        raise InvalidOptionError(f"--ram-bandwidth: {ram_bw} must be a positive number")
+    if residual not in RESIDUAL_BPW:
+        raise InvalidOptionError(f"--residual: '{residual}' unknown (expected one of: {', '.join(RESIDUAL_BPW)})")
+    split = _split_bytes(str(model))
+    name, (L, E, F, H, KV, V), n_params = _shape_from(split[0] if split else str(model))
+    if split:
+        name = Path(model).name
+    cores = cores or os.cpu_count() or 1
+    profile, why = _machine(log)
+    ram_bw, ram_src = _ram_bandwidth(ram_bw, profile)
+    GB = 1e9
+    q8 = n_params * Q8_BPW / 8
+    if split:
+        base, res, size_src = split[1], split[2], "the split's files"
+    else:
+        base, res, size_src = n_params * BASE_BPW / 8, n_params * RESIDUAL_BPW[residual] / 8, "bits per weight assumed"
+    stream = ram_bw * GB * E_RAM
+    t_q8 = q8 / stream
+    t_draft = base / stream
+    w_core, w_src = _with_base_rate_per_core(profile, verify_rows, why)
+    t_verify = max((base + res) / stream, n_params / (cores * w_core))
+    a_src = r_src = "given"
+    if tokens_per_verify is None:
+        tokens_per_verify, a_src = 4.0, "default (about what a 16-node tree reaches on code with a small model here)"
+    if rounds is None:
+        rounds, r_src = 5, "default"
+    tps = tokens_per_verify / (rounds * t_draft + t_verify)
+    out = {
+        "model": name, "gpu": "none", "n_params": n_params, "ram_bandwidth_gb_s": round(ram_bw, 1),
+        "ram_bandwidth_source": ram_src, "e_ram": E_RAM, "cores": cores, "sizes_from": size_src,
+        "q8_0": {"size_gb": round(q8 / GB, 2), "seconds_per_token": round(t_q8, 4), "tokens_per_second": round(1 / t_q8, 2)},
+        "bitsplit": {"base_gb": round(base / GB, 2), "residual_ram_gb": round(res / GB, 2),
+                     "draft_pass_s": round(t_draft, 4), "verify_pass_s": round(t_verify, 4), "rounds": rounds,
+                     "rounds_source": r_src, "tokens_per_verify": tokens_per_verify, "tokens_per_verify_source": a_src,
+                     "verify_rate_per_core": w_core, "verify_rate_source": w_src, "verify_rows": verify_rows,
+                     "tokens_per_second": round(tps, 2)},
+        "projected_speedup": round(tps * t_q8, 2),
+        "projection": True,
+    }
+    out["text"] = "\n".join([
+        f"PROJECTION (a cost model, not a measurement) for {name}, {n_params / 1e9:.2f} B parameters, no GPU:",
+        f"  RAM {ram_bw:.1f} GB/s ({ram_src}), a streaming pass reaching {E_RAM:g} of it, {cores} CPU cores",
+        f"  stock Q8_0: {q8 / GB:.2f} GB per token -> {1 / t_q8:.2f} tokens/s",
+        f"  bitsplit: base {base / GB:.2f} GB + residual {res / GB:.2f} GB ({size_src}); draft pass {1000 * t_draft:.1f} ms, "
+        f"verify pass {1000 * t_verify:.1f} ms ({verify_rows} rows; {w_core / 1e9:.2f} G weights/s per core, {w_src})",
+        f"    {rounds:g} drafter passes per cycle ({r_src}), {tokens_per_verify:g} tokens/verify ({a_src})",
+        f"    -> {tps:.2f} tokens/s, {tps * t_q8:.2f}x stock Q8_0",
+    ])
+    return out
+
+
+def _ram_bandwidth(ram_bw: float | None, profile: dict | None) -> tuple[float, str]:
+    if ram_bw is not None:
+        return ram_bw, "given"
+    if profile is not None:
+        return float(profile["memory_bandwidth_gb_s"]), "measured here"
+    from .bench import memory_bandwidth
+    from ..runtime.llamacpp import default_threads
+
+    return memory_bandwidth(default_threads()) / 1e9, "measured here"
+
+
 def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 1000.0, pcie: float = 25.0,
               ram_bw: float | None = None, residual: str = "q6_k", n_ctx: int = 8192,
               tokens_per_verify: float | None = None, rounds: int | None = None, cores: int | None = None,
@@ -111,16 +212,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
     name, (L, E, F, H, KV, V), n_params = _shape_from(str(model))
     cores = cores or os.cpu_count() or 1
     profile, why = _machine(log)
-    ram_src = "given"
-    if ram_bw is None:
-        if profile is not None:
-            ram_bw = float(profile["memory_bandwidth_gb_s"])
-        else:
-            from .bench import memory_bandwidth
-            from ..runtime.llamacpp import default_threads
-
-            ram_bw = memory_bandwidth(default_threads()) / 1e9
-        ram_src = "measured here"
+    ram_bw, ram_src = _ram_bandwidth(ram_bw, profile)
     GB = 1e9
     hd = E // max(1, H)
     kv_bytes = 2 * L * n_ctx * KV * hd * 2  # K and V, f16

@@ -4,8 +4,8 @@ f32 activations and the float64 reference products, in one little-endian binary 
 
     make_parity_vectors.py OUT_FILE [--seed N]
 
-Cases: every base type a split can hold (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1) x both
-residual types (Q6_K, Q8_0), on shapes (K, N) = (256, 8), (512, 13), (1280, 13) (crosses
+Cases: every base type a split can hold (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1) x every
+residual type (Q4_K, Q5_K, Q6_K, Q8_0), on shapes (K, N) = (256, 8), (512, 13), (1280, 13) (crosses
 avx2-f32's chunk of 1024 values), (2304, 38) (crosses neon-f32's chunk of 2048, and the library's
 row blocks of 16), plus (96, 15) where both halves are block-32 types. As in a real split, the
 residual is the quantized remainder: W2 = q_base(W), R = q_res(W - deq(W2)).
@@ -41,7 +41,7 @@ from bitsplit_llama.formats import _ggml  # noqa: E402
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCK = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 BASES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"]
-RESIDUALS = ["Q6_K", "Q8_0"]
+RESIDUALS = ["Q4_K", "Q5_K", "Q6_K", "Q8_0"]
 SHAPES = [(256, 8), (512, 13), (1280, 13), (2304, 38), (96, 15)]
 MAX_COLS = 16
 MAGIC = b"BSPARV01"

@@ -86,6 +86,9 @@ moe = write_llama_gguf(work / "tiny-moe-f32.gguf", tiny_llama_weights(n_expert=4
 split_model(dense, work / "q6k", threads=2)                                   # Q2_K mix base, Q6_K residual
 split_model(moe, work / "moe-q8", residual="q8_0", threads=2)               # 3-D expert tensors, Q8_0
 split_model(dense, work / "f16", residual="f16", base_ftype="q4_k_m", threads=2)  # Q4_K/Q6_K base, F16
+from gguf.constants import GGMLQuantizationType as QT
+exact = write_llama_gguf(work / "tiny-exact.gguf", tiny_llama_weights(5), types={"output.weight": int(QT.Q6_K)})
+split_model(exact, work / "q4k", residual="q4_k", threads=2)  # Q4_K residual, an output head kept exact
 EOF
 
 # --- run ----------------------------------------------------------------------------------------------
@@ -121,10 +124,11 @@ run() { # name, args...
 run q6k "$WORK/q6k" --flips "$FLIPS" --bad "$WORK/moe-q8/residual.gguf" --any "$WORK/f16/residual.gguf"
 run moe-q8 "$WORK/moe-q8" --flips "$FLIPS" --quick --bad "$WORK/q6k/residual.gguf"
 run f16 "$WORK/f16" --flips $((FLIPS / 3)) --quick --any "$WORK/q6k/residual.gguf"
+run q4k "$WORK/q4k" --flips $((FLIPS / 3)) --quick
 
 elapsed=$(( $(date +%s) - T0 ))
 if [[ $status -ne 0 ]]; then
     BITSPLIT_SANITIZE_KEEP=1
     die "sanitizer run failed after ${elapsed}s (logs in $WORK)"
 fi
-say "PASS: 3 models, 0 sanitizer reports (ASan+UBSan, detect_leaks=$LEAKS), ${elapsed}s"
+say "PASS: 4 models, 0 sanitizer reports (ASan+UBSan, detect_leaks=$LEAKS), ${elapsed}s"

@@ -843,6 +843,60 @@ static void test_products(bitsplit_ctx * ctx, const model * m, bool quick) {
     free(A);
 }
 
+/* The base's matrices without residual (kept exact by the split): W2 . x through bitsplit_ctx_matmul
+ * (with_base only: R . x does not exist) in every family, against the float64 reference at the
+ * family's precision; a column never depends on the rest of the batch. */
+static void test_exact_products(bitsplit_ctx * ctx, const model * m) {
+    int n_exact = 0;
+    for (uint64_t i = 0; i < m->base.n_tensors; i++) {
+        const ti_at * b = &m->base.ti[i];
+        if (find_ti(&m->res, b->name) != NULL || b->ne[1] < 2 || b->ne[2] != 1 || b->ne[3] != 1 || b->ne[0] > 4096 ||
+            b->ne[1] > 4096 || ggml_get_type_traits((enum ggml_type)b->type)->to_float == NULL) {
+            continue;
+        }
+        n_exact++;
+        const int64_t K = b->ne[0], N = b->ne[1], nc = 17;
+        float * W = malloc((size_t)(K * N) * sizeof(float));
+        float * x = malloc((size_t)(K * nc) * sizeof(float));
+        float * y = malloc((size_t)(N * nc) * sizeof(float));
+        float * y1 = malloc((size_t)N * sizeof(float));
+        double * ref = malloc((size_t)(N * nc) * sizeof(double));
+        double * A = malloc((size_t)(N * nc) * sizeof(double));
+        if (!W || !x || !y || !y1 || !ref || !A) {
+            CHECK(false, "out of memory");
+        } else {
+            const size_t brb = ggml_row_size((enum ggml_type)b->type, K);
+            for (int64_t r = 0; r < N; r++) deq_row((enum ggml_type)b->type, m->base.b + b->abs + (size_t)r * brb, W + r * K, K);
+            make_x(x, K * nc, i + 77);
+            reference(W, K, N, x, nc, ref, A);
+            CHECK(bitsplit_ctx_matmul(ctx, b->name, x, nc, y, false) == BITSPLIT_E_INVALID, "%s: R . x of an exact weight",
+                  b->name);
+            for (int f = 0; f < N_FAMILIES; f++) {
+                if (!g_family_ok[f]) continue;
+                CHECK(bitsplit_ctx_set_kernel(ctx, FAMILIES[f]) == BITSPLIT_OK, "set_kernel %s", FAMILIES[f]);
+                CHECK(bitsplit_ctx_matmul(ctx, b->name, x, nc, y, true) == BITSPLIT_OK, "%s: exact product (%s)", b->name,
+                      FAMILIES[f]);
+                double ratio;
+                int64_t where;
+                const double e = excess(y, ref, A, N * nc, rel_tol(BITSPLIT_PREC_BF16), 1e-6, &ratio, &where);
+                CHECK(e <= 0, "%s: exact product (%s) off the reference at %lld (|y-ref|/A %.3g)", b->name, FAMILIES[f],
+                      (long long)where, ratio);
+                CHECK(bitsplit_ctx_matmul(ctx, b->name, x + 5 * K, 1, y1, true) == BITSPLIT_OK &&
+                          memcmp(y1, y + 5 * N, (size_t)N * sizeof(float)) == 0,
+                      "%s: exact product (%s): column 5 alone differs from within 17", b->name, FAMILIES[f]);
+            }
+            bitsplit_ctx_set_kernel(ctx, NULL);
+        }
+        free(W);
+        free(x);
+        free(y);
+        free(y1);
+        free(ref);
+        free(A);
+    }
+    vlog("  %d exact base matrices checked\n", n_exact);
+}
+
 static void test_valid_load(const model * m, bool quick) {
     char err[512] = "";
     bitsplit_ctx * ctx = NULL;
@@ -880,6 +934,7 @@ static void test_valid_load(const model * m, bool quick) {
     }
     bitsplit_ctx_set_kernel(ctx, NULL);
     test_products(ctx, m, quick);
+    test_exact_products(ctx, m);
     bitsplit_ctx_free(ctx);
 }
 

@@ -270,27 +270,32 @@ typedef void (*avx2_rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
 #define AVX2_BODY_AS(NAME, B, R, C) \
     TGT static void NAME(const bs_job * j, int64_t r0, int64_t r1, bs_scratch * s) { rows_body(j, B, R, C, r0, r1, s); }
 #define AVX2_BODY(B, R) AVX2_BODY_AS(rows_##B##_##R, B, R, (R) == T_NONE)
+#define AVX2_RES_BODIES(B) \
+    AVX2_BODY(B, T_Q6_K) AVX2_BODY(B, T_Q8_0) AVX2_BODY(B, T_Q4_K) AVX2_BODY(B, T_Q5_K)
 #ifdef AVX2_SAME_BASE_BODIES
-#define AVX2_BODIES(B) AVX2_BODY(B, T_NONE) AVX2_BODY(B, T_Q6_K) AVX2_BODY(B, T_Q8_0)
-#define AVX2_ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0, rows_##B##_T_NONE}
+#define AVX2_BODIES(B) AVX2_BODY(B, T_NONE) AVX2_RES_BODIES(B)
+#define AVX2_EXACT(B) rows_##B##_T_NONE
 #else
-#define AVX2_BODIES(B) \
-    AVX2_BODY(B, T_NONE) AVX2_BODY(B, T_Q6_K) AVX2_BODY(B, T_Q8_0) AVX2_BODY_AS(rows_##B##_exact, B, T_NONE, false)
-#define AVX2_ROW(B) {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0, rows_##B##_exact}
+#define AVX2_BODIES(B) AVX2_BODY(B, T_NONE) AVX2_RES_BODIES(B) AVX2_BODY_AS(rows_##B##_exact, B, T_NONE, false)
+#define AVX2_EXACT(B) rows_##B##_exact
 #endif
+#define AVX2_ROW(B)                                                                                              \
+    {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0, AVX2_EXACT(B), rows_##B##_T_Q4_K,            \
+     rows_##B##_T_Q5_K}
 #define AVX2_ROW_BODIES                                                                                          \
     AVX2_BODIES(T_Q2_K) AVX2_BODIES(T_Q3_K) AVX2_BODIES(T_Q4_K) AVX2_BODIES(T_Q5_K) AVX2_BODIES(T_Q6_K)          \
-    AVX2_BODIES(T_Q8_0) AVX2_BODIES(T_Q4_0) AVX2_BODIES(T_Q4_1) AVX2_BODY(T_NONE, T_Q6_K) AVX2_BODY(T_NONE, T_Q8_0) \
+    AVX2_BODIES(T_Q8_0) AVX2_BODIES(T_Q4_0) AVX2_BODIES(T_Q4_1) AVX2_RES_BODIES(T_NONE)                          \
     /* [base code][0: unused, 1: no residual (drafter), 2: Q6_K residual, 3: Q8_0 residual,                     \
-     *  4: no residual, verifier's precision] */                                                               \
-    static const avx2_rows_fn BODY_TABLE[T_COUNT][5] = {                                                        \
-        {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0, NULL},                                             \
+     *  4: no residual, verifier's precision, 5: Q4_K residual, 6: Q5_K residual] */                            \
+    static const avx2_rows_fn BODY_TABLE[T_COUNT][7] = {                                                        \
+        {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0, NULL, rows_T_NONE_T_Q4_K, rows_T_NONE_T_Q5_K},     \
         AVX2_ROW(T_Q2_K), AVX2_ROW(T_Q3_K), AVX2_ROW(T_Q4_K), AVX2_ROW(T_Q5_K), AVX2_ROW(T_Q6_K),               \
         AVX2_ROW(T_Q8_0), AVX2_ROW(T_Q4_0), AVX2_ROW(T_Q4_1),                                                   \
     };                                                                                                          \
     static avx2_rows_fn rows_for(const bs_job * job) {                                                          \
         const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);                          \
-        const int col = rt == T_NONE ? (job->draft ? 1 : 4) : rt == T_Q6_K ? 2 : rt == T_Q8_0 ? 3 : -1;         \
+        const int col = rt == T_NONE ? (job->draft ? 1 : 4) : rt == T_Q6_K ? 2 : rt == T_Q8_0 ? 3                \
+                      : rt == T_Q4_K ? 5 : rt == T_Q5_K ? 6 : -1;                                               \
         return bt < 0 || col < 0 ? NULL : BODY_TABLE[bt][col];                                                  \
     }
 
