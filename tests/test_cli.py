@@ -36,7 +36,7 @@ CASES = [
     (["split", "{t}/empty.gguf", "-o", "{t}/o"], 1, "not a GGUF file"),
     (["split", "{t}/notgguf.gguf", "-o", "{t}/o"], 1, "not a GGUF file"),
     (["split", "{t}/trunc.gguf", "-o", "{t}/o"], 1, "truncated GGUF"),
-    (["split", "{src}", "-o", "{t}/o", "--residual", "q5_k"], 2, "unknown residual type 'q5_k'"),
+    (["split", "{src}", "-o", "{t}/o", "--residual", "q3_k"], 2, "unknown residual type 'q3_k'"),
     (["split", "{src}", "-o", "{t}/o", "--threads", "0"], 2, "--threads: 0"),
     (["split", "{src}", "-o", "{t}/o", "--threads", "many"], 2, "--threads"),
     (["split", "{src}"], 2, "Missing option '-o'"),
