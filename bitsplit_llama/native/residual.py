@@ -199,9 +199,16 @@ class Residual:
     def exact_tensors(self) -> list[str]:
         """The base's matrices without residual (kept exact by the split), which the library
         computes in batch-invariant mode."""
-        res = {t[0] for t in self.tensors()}
-        with GGUFFile(self.base_path) as b:
-            return [t.name for t in b.tensors if t.name not in res and len(t.shape) == 2 and t.shape[1] > 1]
+        return list(self._exact_shapes())
+
+    def _exact_shapes(self) -> dict[str, tuple[int, ...]]:
+        """name -> 4-D shape of the base's matrices without residual (read from base.gguf once)."""
+        if getattr(self, "_exact", None) is None:
+            res = {t[0] for t in self.tensors()}
+            with GGUFFile(self.base_path) as b:
+                self._exact = {t.name: tuple(t.shape) + (1, 1) for t in b.tensors
+                               if t.name not in res and len(t.shape) == 2 and t.shape[1] > 1}
+        return self._exact
 
     def matmul(self, name: str, x: np.ndarray, with_base: bool = True) -> np.ndarray:
         """(W2 + R) . x (or R . x) for a 2-D weight, x of shape (n_cols, ne0): the callback's kernels
@@ -212,13 +219,13 @@ class Residual:
         info = self._info
         if name in info:
             ne = info[name][1]
-        elif name in self.exact_tensors():
+        else:
+            exact = self._exact_shapes()
+            if name not in exact:
+                raise InputError(f"{self.residual_path}: has no tensor '{name}'")
             if not with_base:
                 raise InvalidOptionError(f"'{name}' has no residual: only with_base=True")
-            with GGUFFile(self.base_path) as b:
-                ne = tuple(b.tensor(name).shape) + (1, 1)
-        else:
-            raise InputError(f"{self.residual_path}: has no tensor '{name}'")
+            ne = exact[name]
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != ne[0]:
             raise InvalidOptionError(f"x must have shape (n_cols, {ne[0]}), got {x.shape}")
