@@ -5,8 +5,8 @@ output equals verifier-alone output (with the top-2 margin at any first divergen
     python bench/engine_acceptance.py SPLIT_DIR [--n 128] [--prompts FILE] [--temps 0,0.7]
         [--configs tree16,chain4,chain8,separate_kv_tree16] [--json OUT]
 
-Configurations: tree of 16 (width 4, 7 rounds), of 64 and 128 (width 4, 10 rounds), chains of 1, 4
-and 8, and the tree of 16 drafted by
+Configurations: tree of 16 (width 4, 7 rounds), of 32, 64, 128 and 256 nodes (TreeShape.for_nodes: 10
+to 24 rounds, width 5 to 16), chains of 1, 4 and 8, and the tree of 16 drafted by
 a separate context over the same base.gguf with its own KV cache (how a separate draft model works
 in stock llama.cpp); both draft with llama.cpp's own kernels. Tokens per verify = emitted tokens / verifier passes (the prompt's pass counts).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from bitsplit_llama.tools.bench import DEFAULT_PROMPTS, load_prompts
-from bitsplit_llama.speculative.engine import Engine, Stats, TreeShape, n_seq_max_for
+from bitsplit_llama.speculative.engine import Engine, Stats, TreeShape, n_seq_max_for, reserve_for
 from bitsplit_llama.runtime.llamacpp import Context
 from bitsplit_llama.speculative.sampling import SamplingParams
 from bitsplit_llama.runtime.verifier import SplitModel
@@ -32,8 +32,10 @@ CONFIGS = {
     "chain1": TreeShape(1, 1, 1),
     "chain4": TreeShape(4, 1, 4),
     "chain8": TreeShape(8, 1, 8),
+    "tree32": TreeShape.for_nodes(32),
     "tree64": TreeShape.for_nodes(64),
     "tree128": TreeShape.for_nodes(128),
+    "tree256": TreeShape.for_nodes(256),
 }
 
 
@@ -70,9 +72,11 @@ def main() -> None:
     room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes))
     n_batch = max(64, room.nodes + 1, n_seq_max_for(room))
     # llama.cpp's own kernels draft in both set-ups, so that the separate-KV baseline differs only by its KV
-    sm = SplitModel(a.split, n_ctx=1024, n_batch=n_batch, n_seq_max=n_seq_max_for(room), fast_drafter=False)
+    sm = SplitModel(a.split, n_ctx=1024, n_batch=n_batch, n_seq_max=n_seq_max_for(room), reserve=reserve_for(room),
+                    fast_drafter=False)
     # the separate drafter's own context (and its KV cache) only when that baseline is asked for
-    dctx = (Context(sm.model, n_ctx=1024, n_batch=64, n_seq_max=n_seq_max_for(room))
+    dctx = (Context(sm.model, n_ctx=1024, n_batch=max(64, n_seq_max_for(room)), n_seq_max=n_seq_max_for(room),
+                    reserve=reserve_for(room))
             if "separate_kv_tree16" in configs else None)
     results: dict = {"split": str(a.split), "n": a.n, "prompts": prompts, "runs": {}}
     t_start = time.time()
@@ -90,17 +94,27 @@ def main() -> None:
             sm.residual.choose_decode_kernel(shape.nodes + 1)
             eng = Engine(sm, shape, draft_ctx=dctx if name.startswith("separate") else None)
             emitted = verifies = 0
+            t_verify = t_draft = 0.0
             per = []
             for i, p in enumerate(prompts):
                 sp = SamplingParams(temperature=temp, seed=1234 + i)
                 toks, st = run(eng, p, sp)
                 emitted += st.n_emitted
                 verifies += st.n_verify
+                t_verify += st.verify_seconds
+                t_draft += st.draft_seconds
                 per.append({"tokens": toks, "tokens_per_verify": st.tokens_per_verify, "seconds": st.total_seconds})
                 print(f"[{time.time() - t_start:6.0f}s] temp {temp} {name:20s} prompt {i}: "
                       f"{st.tokens_per_verify:.2f} tokens/verify", file=sys.stderr, flush=True)
+            # time per verify pass and per cycle's drafting (the prompt's pass is not in verify_seconds)
+            cycles = max(verifies - len(prompts), 1)
             results["runs"][f"{name}@{temp}"] = {"tokens_per_verify": emitted / verifies, "per_prompt": per,
-                                                 "kernel": sm.residual.kernel}
+                                                 "kernel": sm.residual.kernel,
+                                                 "ms_per_verify": round(1000 * t_verify / cycles, 1),
+                                                 "ms_drafting_per_cycle": round(1000 * t_draft / cycles, 1)}
+            print(f"[{time.time() - t_start:6.0f}s] temp {temp} {name}: {emitted / verifies:.2f} tokens/verify, "
+                  f"{1000 * t_verify / cycles:.0f} ms per verify pass, {1000 * t_draft / cycles:.0f} ms drafting",
+                  file=sys.stderr, flush=True)
             eng.reset()
     # greedy identity: verifier alone (same kernel family as the tree's passes) vs each greedy run
     if 0.0 in temps:
@@ -123,7 +137,8 @@ def main() -> None:
             results[f"identity_{fam_of}"] = {"identical": same, "of": len(prompts), "divergences": margins,
                                              "kernel": sm.residual.kernel}
             print(f"identity {fam_of}: {same}/{len(prompts)} {margins}", file=sys.stderr, flush=True)
-    summary = {k: round(v["tokens_per_verify"], 3) for k, v in results["runs"].items()}
+    summary = {k: {"tokens_per_verify": round(v["tokens_per_verify"], 3), "ms_per_verify": v["ms_per_verify"],
+                   "ms_drafting_per_cycle": v["ms_drafting_per_cycle"]} for k, v in results["runs"].items()}
     results["summary"] = summary
     results["seconds"] = round(time.time() - t_start)
     print(json.dumps({"summary": summary, **{k: v for k, v in results.items() if k.startswith("identity")}}))

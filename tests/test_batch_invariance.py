@@ -77,10 +77,21 @@ def test_prompt_in_one_batch_equals_generation_steps(exact_split):
                 ctx.seq_rm(1, -1, -1)
 
 
-@pytest.mark.parametrize("nodes", [1, 4, 16, 64])
+@pytest.mark.parametrize("nodes", [1, 4, 16, 64, 256])
 def test_greedy_speculative_equals_verifier_alone_at_any_tree_size(exact_split, nodes):
-    with Generator(exact_split, n_ctx=512, tree_nodes=nodes) as g:
+    n = 48 if nodes <= 16 else nodes + 32  # room for whole trees (a cycle drafts at most what is left to emit)
+    with Generator(exact_split, n_ctx=768, tree_nodes=nodes) as g:
+        rows = []
+        decode = g.sm.ctx.decode
+
+        def spy(tokens, positions, seq_ids=None, logits=True):
+            rows.append(len(tokens))
+            return decode(tokens, positions, seq_ids=seq_ids, logits=logits)
+
+        g.sm.ctx.decode = spy
         for p in PROMPTS:
-            plain = g.generate(p, max_tokens=48, speculative=False)
-            spec = g.generate(p, max_tokens=48, speculative=True)
+            plain = g.generate(p, max_tokens=n, speculative=False)
+            spec = g.generate(p, max_tokens=n, speculative=True)
             assert spec.tokens == plain.tokens, (nodes, p)
+        # the trees were as large as asked (one lane per leaf: 256 nodes fit llama.cpp's 256 sequences)
+        assert nodes + 1 in rows and max(rows) <= max(nodes + 1, max(map(len, PROMPTS))), sorted(set(rows))

@@ -10,7 +10,8 @@ import pytest
 
 from bitsplit_llama.errors import ContextLimitError, InvalidOptionError
 from bitsplit_llama.runtime.llamacpp import Context
-from bitsplit_llama.speculative.engine import Engine, Stats, TreeShape, max_lanes, n_seq_max_for
+from bitsplit_llama.speculative.engine import (MAX_SEQ, MAX_TREE_DEPTH, MAX_TREE_NODES, Engine, Stats, TreeShape,
+                                               max_lanes, n_seq_max_for)
 from bitsplit_llama.speculative.generate import Generator
 from bitsplit_llama.speculative.sampling import SamplingParams
 from test_verifier import make_f32_split
@@ -185,3 +186,42 @@ def test_tree_shape_validation():
     with pytest.raises(InvalidOptionError):
         TreeShape(4, 0, 3).validate()
     assert TreeShape.for_nodes(1).width == 1 and TreeShape.for_nodes(16).nodes == 16
+    with pytest.raises(InvalidOptionError, match="257 is more than 256"):
+        TreeShape.for_nodes(257)
+    with pytest.raises(InvalidOptionError, match="too large"):
+        TreeShape(64, 4, MAX_TREE_DEPTH + 1).validate()
+    for n in range(1, MAX_TREE_NODES + 1):  # every size drafts enough candidates and fits llama.cpp's sequences
+        s = TreeShape.for_nodes(n)
+        s.validate()
+        assert s.nodes == n and s.width * s.rounds >= n and n_seq_max_for(s) <= MAX_SEQ, s
+        if n > 24:
+            assert s.width * s.rounds >= 1.5 * n and s.rounds <= MAX_TREE_DEPTH, s
+
+
+def test_lanes_capped_prunes_the_tree_and_keeps_the_output(tiny_split):
+    """With fewer lanes than a tree has leaves, the drafter stops early and the verified tree is
+    pruned to the lanes (one per leaf): the output is still the verifier's, and no lane is left
+    holding cells."""
+    with Generator(tiny_split, n_ctx=256, tree_nodes=64) as g:
+        ref = g.generate(PROMPTS[4], max_tokens=40, speculative=False).tokens
+        eng = Engine(g.sm, g.shape)
+        eng.lane_cap = 5
+        passes = []  # (rows, sequence ids used besides 0) of every multi-row decode
+        decode = g.sm.ctx.decode
+
+        def spy(tokens, positions, seq_ids=None, logits=True):
+            if seq_ids is not None and len(tokens) > 1:
+                passes.append((len(tokens), len({s for ids in seq_ids for s in ids} - {0})))
+            return decode(tokens, positions, seq_ids=seq_ids, logits=logits)
+
+        g.sm.ctx.decode = spy
+        st = Stats()
+        try:
+            got = [t for chunk in eng.generate(PROMPTS[4], 40, SamplingParams(), stats=st) for t in chunk]
+        finally:
+            del g.sm.ctx.decode
+        assert got == ref
+        assert max(lanes for _, lanes in passes) <= 5
+        assert max(rows for rows, _ in passes) > 5 + 1, "trees deeper than their lanes: the cap was exercised"
+        for lane in range(1, n_seq_max_for(g.shape)):
+            assert g.sm.ctx.seq_pos_max(lane) == -1

@@ -22,6 +22,7 @@ Contract: each cycle emits at least one token, every one a draw from the verifie
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -34,6 +35,12 @@ from .sampling import SamplingParams, draft_candidates, draw
 from .tree import ROOT, DraftTree, TreeBuilder, accept
 
 CANDIDATES_PER_NODE = 4
+# llama.cpp's limit on sequence ids (LLAMA_MAX_SEQ): sequence 0, the junk and dummy sequences, and
+# the lanes (one per leaf of a tree: see Engine._verify) share it
+MAX_SEQ = 256
+MAX_LANES = MAX_SEQ - 3
+MAX_TREE_NODES = 256  # nodes verified in one pass (the root's row comes on top)
+MAX_TREE_DEPTH = 32   # drafter rounds
 
 
 @dataclass
@@ -47,19 +54,30 @@ class TreeShape:
 
     @classmethod
     def for_nodes(cls, nodes: int) -> "TreeShape":
-        """A sensible shape for a node budget: a chain up to 4 nodes, then wider and deeper."""
+        """A sensible shape for a node budget: a chain up to 4 nodes, then wider and deeper; from 25
+        nodes on, about 1.5 x sqrt(nodes) rounds (10 to 32: the depth budget) of a width that drafts
+        1.5 candidates per verified node (64 nodes: 12 rounds of 8; 256: 24 rounds of 16)."""
         if nodes < 0:
             raise InvalidOptionError(f"--tree-nodes: {nodes} is negative")
+        if nodes > MAX_TREE_NODES:
+            raise InvalidOptionError(f"--tree-nodes: {nodes} is more than {MAX_TREE_NODES}, the largest tree one "
+                                     "verify pass takes")
         if nodes <= 4:
             return cls(nodes, 1, max(nodes, 1))
         if nodes <= 8:
             return cls(nodes, 2, min(8, nodes))
-        width = 4
-        return cls(nodes, width, min(10, max(4, (nodes * 3) // (2 * width) + 1)))
+        if nodes <= 24:
+            width = 4
+            return cls(nodes, width, min(10, max(4, (nodes * 3) // (2 * width) + 1)))
+        rounds = min(MAX_TREE_DEPTH, max(10, round(1.5 * math.sqrt(nodes))))
+        return cls(nodes, -(-3 * nodes // (2 * rounds)), rounds)
 
     def validate(self) -> None:
         if self.nodes < 0 or self.width < 1 or self.rounds < 1:
             raise InvalidOptionError(f"tree shape {self} is invalid (nodes >= 0, width >= 1, rounds >= 1)")
+        if self.nodes > MAX_TREE_NODES or self.rounds > MAX_TREE_DEPTH:
+            raise InvalidOptionError(f"tree shape {self} is too large (at most {MAX_TREE_NODES} nodes and "
+                                     f"{MAX_TREE_DEPTH} rounds)")
 
 
 @dataclass
@@ -210,6 +228,8 @@ class Engine:
         self.rank_counts: list[int] | None = None
         self._junk_lane = self.ctx.n_seq_max - 1
         self._dummy_lane = self.ctx.n_seq_max - 2
+        # lanes 1..lane_cap: drafting and verifying use at most that many (one per leaf)
+        self.lane_cap = min(c.n_seq_max for c in (self.ctx, drafter.ctx)) - 3
         self.reset()  # the engine owns the KV state from here on
         self._n_junk = 0                # rejected rows parked in the junk sequence
 
@@ -305,7 +325,8 @@ class Engine:
         on exit. Measurements made through it need nothing of this engine's context: not its size,
         not its cache (left as it is)."""
         n_seq = n_seq_max_for(shape)
-        with self.sm.own_context(n_ctx=n_ctx, n_batch=max(n_batch, shape.nodes + 1, n_seq), n_seq_max=n_seq) as view:
+        with self.sm.own_context(n_ctx=n_ctx, n_batch=max(n_batch, shape.nodes + 1, n_seq), n_seq_max=n_seq,
+                                 reserve=reserve_for(shape)) as view:
             yield Engine(view, shape)
 
     def rank_profile(self, prompts: Sequence[Sequence[int]], max_tokens: int, shape: TreeShape,
@@ -349,7 +370,12 @@ class Engine:
                 added = builder.next_round()
                 if not added or rnd == shape.rounds - 1 or len(builder.tree) >= nodes + shape.width:
                     break
-                # lanes: a first child continues its parent's lane, others get a copy of it
+                # lanes: a first child continues its parent's lane, others get a copy of it; past the
+                # context's lanes, this round's nodes stay undecoded leaves (as the last round's)
+                parents = {builder.tree.nodes[i].parent for i in added}
+                new_lanes = len(added) - sum(1 for p in parents if p not in first_child_taken)
+                if next_lane - 1 + new_lanes > self.lane_cap:
+                    break
                 for i in added:
                     p = builder.tree.nodes[i].parent
                     if p not in first_child_taken:
@@ -377,14 +403,23 @@ class Engine:
     # -- one cycle --------------------------------------------------------------------------------
     def _verify(self, tree: DraftTree, sp: SamplingParams, rng, stats: Stats) -> list[int]:
         t0 = time.perf_counter()
+        while len(tree.leaves()) > self.lane_cap:  # (rare) more leaves than lanes: drop the least likely
+            tree = tree.best(len(tree) - 1).dfs()
         tokens, depths, seen = tree.layout()
         rows = len(tokens)
-        for r in range(rows):  # row r is sequence 1 + r; every row sees the prefix
-            self.ctx.seq_cp(0, 1 + r, -1, -1)
+        # One lane (sequence id) per leaf: a row's KV entry belongs to the lanes of the leaves below
+        # it, and its query attends through the first of them, which holds exactly the row's
+        # ancestors and itself at positions up to its own (the rows below it come later: causal mask).
+        # So attention follows the tree with as many sequences as leaves (a 256-node tree fits
+        # llama.cpp's 256), and each row's cell is the one cell of its first lane at its position.
+        lane_of = {r: 1 + j for j, r in enumerate(r for r in range(rows) if len(seen[r]) == 1)}
+        row_lanes = [[lane_of[q] for q in seen[r] if q in lane_of] for r in range(rows)]
+        for lane in lane_of.values():  # every leaf's lane sees the prefix
+            self.ctx.seq_cp(0, lane, -1, -1)
         c0 = self.sm.residual.counters()
         with self.sm.verifying() as ctx:
             td = time.perf_counter()
-            ctx.decode(tokens, [self.n_past + d for d in depths], seq_ids=[[1 + q for q in s] for s in seen])
+            ctx.decode(tokens, [self.n_past + d for d in depths], seq_ids=row_lanes)
             stats.verify_decode_seconds += time.perf_counter() - td
             accepted, bonus, emitted = accept(tree, lambda row: self._draw_row(tree, ctx, row, sp, rng))
         self._count_residual(c0, stats)
@@ -399,17 +434,14 @@ class Engine:
         last = kept[-1]
         junk = self._junk_lane
         keep_set = set(kept)
-        for r in range(1, rows):
-            if r in keep_set:
-                continue
-            if r < last:
+        for r in range(1, last):
+            if r not in keep_set:
                 pos = self.n_past + depths[r]
-                self.ctx.seq_cp(1 + r, junk, pos, pos + 1)
+                self.ctx.seq_cp(row_lanes[r][0], junk, pos, pos + 1)
                 self._n_junk += 1
-            self.ctx.seq_rm(1 + r, -1, -1)
-        self.ctx.seq_cp(1 + last, 0, self.n_past, -1)
-        for r in kept:
-            self.ctx.seq_rm(1 + r, -1, -1)
+        self.ctx.seq_cp(row_lanes[last][0], 0, self.n_past, self.n_past + depths[last] + 1)
+        for lane in lane_of.values():
+            self.ctx.seq_rm(lane, -1, -1)
         self.tokens.extend(tokens[0:1] + [tree.nodes[i].token for i in accepted])
         self.n_past += len(kept)
         stats.n_verify += 1
@@ -478,12 +510,12 @@ class Engine:
             spec = speculative and self.shape.nodes > 0
             # cells one cycle takes beyond the cached text: the drafted lanes or the verified rows (a
             # plain step: its token and the dummy row); the context reserves them beyond n_ctx
-            cycle_cells = max_lanes(self.shape) if spec else 2
+            n_cycle = cycle_cells(self.shape) if spec else 2
             while stats.n_emitted < max_tokens:
                 room = n_ctx - self.n_past - 1  # positions left after the root
                 if room < 0:
                     return  # the context is full: stop cleanly
-                if self.n_past + self._n_junk + cycle_cells > self.ctx.n_cells:
+                if self.n_past + self._n_junk + n_cycle > self.ctx.n_cells:
                     self._flush_junk()
                 nodes = min(self.shape.nodes, room, max_tokens - stats.n_emitted - 1) if spec else 0
                 if nodes > 0:
@@ -511,12 +543,25 @@ class Engine:
             stats.total_seconds += time.perf_counter() - t0
 
 
-def max_lanes(shape: TreeShape) -> int:
-    """Sequence ids a tree of this shape may use besides sequence 0 (drafting lanes, one per
-    verification row)."""
+def cycle_cells(shape: TreeShape) -> int:
+    """KV cells one cycle of this shape may take beyond the cached text: the drafted nodes (and the
+    root) or the verified rows."""
     return max(shape.nodes + 1, shape.width * shape.rounds + 1)
+
+
+def max_lanes(shape: TreeShape) -> int:
+    """Sequence ids a tree of this shape may use besides sequence 0: one per leaf, drafting or
+    verifying (never more than the tree's cells, and capped at MAX_LANES: the drafter stops and the
+    verified tree is pruned at the cap)."""
+    return min(cycle_cells(shape), MAX_LANES)
 
 
 def n_seq_max_for(shape: TreeShape) -> int:
     """n_seq_max a context needs for this shape: sequence 0, the lanes, the junk and dummy sequences."""
     return max_lanes(shape) + 3
+
+
+def reserve_for(shape: TreeShape) -> int:
+    """KV cells a context for this shape reserves beyond its n_ctx positions: a cycle's cells, the
+    dummy row and room for parked rows."""
+    return cycle_cells(shape) + 3

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from .engine import Engine, Stats, TreeShape, n_seq_max_for
+from .engine import Engine, Stats, TreeShape, n_seq_max_for, reserve_for
 from ..errors import BusyError, InvalidOptionError
 from .sampling import SamplingParams
 from ..runtime.verifier import SplitModel
@@ -57,7 +57,7 @@ class Generator:
             raise InvalidOptionError(f"--drafter: {drafter!r} is not one of {', '.join(DRAFTERS)}")
         room = TreeShape(24, 4, 10) if auto else self.shape  # the largest an automatic choice may use
         self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, room.nodes + 8),
-                             n_seq_max=n_seq_max_for(room), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                             n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                              precision=precision, verbose=verbose,
                              fast_drafter=None if drafter == "auto" else drafter == "native", rpc=rpc,
                              rpc_timeout=rpc_timeout, overlap=overlap)
