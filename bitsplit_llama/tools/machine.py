@@ -379,6 +379,14 @@ class _InitParams(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
 
+class _CPlan(ctypes.Structure):
+    # struct ggml_cplan (ggml-cpu.h of the pinned llama-cpp-python): the work buffer is ours, sized
+    # by ggml_graph_plan (a guess of it fell short on a 16-thread Xeon: ggml aborted)
+    _fields_ = [("work_size", ctypes.c_size_t), ("work_data", ctypes.c_void_p), ("n_threads", ctypes.c_int),
+                ("threadpool", ctypes.c_void_p), ("abort_callback", ctypes.c_void_p),
+                ("abort_callback_data", ctypes.c_void_p), ("use_ref", ctypes.c_bool)]
+
+
 def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     from ..formats._ggml import loaded_ggml_base_path
 
@@ -397,6 +405,10 @@ def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     cpu.ggml_cpu_init.argtypes, cpu.ggml_cpu_init.restype = [], None
     # enum ggml_status ggml_graph_compute_with_ctx(struct ggml_context *, struct ggml_cgraph *, int n_threads)
     cpu.ggml_graph_compute_with_ctx.argtypes, cpu.ggml_graph_compute_with_ctx.restype = [vp, vp, ctypes.c_int], ctypes.c_int
+    # struct ggml_cplan ggml_graph_plan(const struct ggml_cgraph *, int n_threads, struct ggml_threadpool *)
+    cpu.ggml_graph_plan.argtypes, cpu.ggml_graph_plan.restype = [vp, ctypes.c_int, vp], _CPlan
+    # enum ggml_status ggml_graph_compute(struct ggml_cgraph *, struct ggml_cplan *)
+    cpu.ggml_graph_compute.argtypes, cpu.ggml_graph_compute.restype = [vp, ctypes.POINTER(_CPlan)], ctypes.c_int
     return base, cpu
 
 
@@ -426,10 +438,8 @@ def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: O
                 ws.append(w)
             rows = []
             for b in GGML_BATCHES:
-                calls = size.repeat + 2
-                work = b * size.ne0 * 4 + 64 * 1024 * max(1, threads)  # x as Q8_K, and per-thread scratch
                 mem = (b * size.ne0 * 4 + len(ws) * b * size.ne1 * 4 + (len(ws) + 2) * base.ggml_tensor_overhead()
-                       + base.ggml_graph_overhead() + calls * (work + 4096) + 16 * 2**20)
+                       + base.ggml_graph_overhead() + 2**20)
                 cctx = base.ggml_init(_InitParams(mem, None, False))
                 if not cctx:
                     raise MemoryError("ggml_init failed for the products")
@@ -441,10 +451,14 @@ def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: O
                     for w in ws:
                         base.ggml_build_forward_expand(gf, base.ggml_mul_mat(cctx, w, x))
 
+                    plan = cpu.ggml_graph_plan(gf, threads, None)
+                    work = np.empty(max(int(plan.work_size), 1) + 64, dtype=np.uint8)  # ggml's own size
+                    plan.work_data = (work.ctypes.data + 63) & ~63
+
                     def one_pass() -> None:
-                        st = cpu.ggml_graph_compute_with_ctx(cctx, gf, threads)
+                        st = cpu.ggml_graph_compute(gf, ctypes.byref(plan))
                         if st != 0:
-                            raise RuntimeError(f"ggml_graph_compute_with_ctx returned status {st}")
+                            raise RuntimeError(f"ggml_graph_compute returned status {st}")
 
                     t, n = _timed(one_pass, size)
                 finally:
