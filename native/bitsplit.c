@@ -218,6 +218,20 @@ int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, 
     return st;
 }
 
+const char * bitsplit_ctx_family_of(bitsplit_ctx * ctx, const char * name, int64_t n_cols, bool with_base) {
+    if (ctx == NULL || name == NULL || n_cols < 1) {
+        return "";
+    }
+    const bs_entry * e = bs_find_entry(ctx, name);
+    if (e == NULL || (e->exact && !with_base)) {
+        return "";
+    }
+    bs_job job;
+    bs_fill_job(&job, e, with_base ? e->base_data : NULL, 0, e->ne[1]);
+    bs_job_columns(&job, ctx, NULL, n_cols, NULL);
+    return bs_family_for(ctx, &job)->name;
+}
+
 const char * bitsplit_kernel_name(void) {
     const char * env = getenv("BITSPLIT_KERNEL");
     const bs_kernel_family * f = env != NULL && env[0] != '\0' ? bs_family_named(env) : NULL;

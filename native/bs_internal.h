@@ -81,6 +81,9 @@ typedef struct bs_kernel_family {
     /* the policy prefers this family for products of up to this many columns only (measured
      * crossover with the next family); 0: any batch */
     int max_cols;
+    /* weights used as they are (integer or f32 arithmetic), not rounded to bf16: where a pinned
+     * family cannot compute a verifier product, one of these takes it (bs_precise_policy) */
+    bool exact_weights;
 } bs_kernel_family;
 
 /* kernels.c: the kernel policy, the one place that decides which family computes a product */
@@ -96,6 +99,12 @@ const bs_kernel_family * bs_family_named(const char * name);
 int bs_policy_list(int64_t n_cols, const bs_job * job, const bs_kernel_family ** out, int max);
 /* the policy's family for a product (job may be NULL: a quantized product of n_cols columns) */
 const bs_kernel_family * bs_policy(int64_t n_cols, const bs_job * job);
+/* the first family in the policy's order for n_cols that computes the job with exact weights
+ * (else bs_policy's): where the pinned family does not compute a verifier product (vnni-int24 and
+ * a Q4_0 base, say), the product keeps the verifier's precision instead of going to a bf16 family */
+const bs_kernel_family * bs_precise_policy(int64_t n_cols, const bs_job * job);
+/* the family that computes this job (pool.c: the pinned family, the policy, the fast drafter's) */
+const bs_kernel_family * bs_family_for(const bitsplit_ctx * ctx, const bs_job * job);
 /* the fast drafter's family for a base-only product, or NULL where ggml's kernel is as fast */
 const bs_kernel_family * bs_draft_policy(const bs_job * job);
 const bs_kernel_family * bs_generic_family(void);

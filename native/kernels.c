@@ -255,6 +255,17 @@ const bs_kernel_family * bs_policy(int64_t n_cols, const bs_job * job) {
     return bs_policy_list(n_cols, job, &f, 1) == 1 ? f : &generic_family;
 }
 
+const bs_kernel_family * bs_precise_policy(int64_t n_cols, const bs_job * job) {
+    const bs_kernel_family * list[BS_MAX_FAMILIES];
+    const int n = bs_policy_list(n_cols, job, list, BS_MAX_FAMILIES);
+    for (int i = 0; i < n; i++) {
+        if (list[i]->exact_weights) {
+            return list[i];
+        }
+    }
+    return bs_policy(n_cols, job);
+}
+
 const bs_kernel_family * bs_draft_policy(const bs_job * job) {
     int cap;
     bs_isa_cap(&cap);

@@ -160,7 +160,7 @@ void bs_barrier(bitsplit_ctx * ctx, int nth) {
 /* Which family computes a product: the fast drafter's (base alone) by the draft policy; a
  * decode pass by the family pinned for this generation; anything else by the kernel policy
  * (kernels.c), the one place that knows the thresholds. */
-static const bs_kernel_family * family_for(const bitsplit_ctx * ctx, const bs_job * job) {
+const bs_kernel_family * bs_family_for(const bitsplit_ctx * ctx, const bs_job * job) {
     if (job->draft) { /* the fast drafter: ask_draft took it for this family */
         const bs_kernel_family * f = bs_draft_policy(job);
         return f != NULL ? f : bs_generic_family();
@@ -169,11 +169,10 @@ static const bs_kernel_family * family_for(const bitsplit_ctx * ctx, const bs_jo
         if (ctx->pinned->supports(job)) {
             return ctx->pinned;
         }
-        if (ctx->invariant) {
-            /* a product the pinned family does not compute (a weight without residual on the
-             * tile families): one choice for every batch size */
-            return bs_policy(1, job);
-        }
+        /* a product the pinned family does not compute (a weight without residual on the tile
+         * families, a Q4_0 base on vnni-int24): a family as precise (exact weights), and with
+         * batch invariance one choice for every batch size */
+        return bs_precise_policy(ctx->invariant ? 1 : job->n_cols, job);
     }
     return bs_policy(job->n_cols, job);
 }
@@ -189,12 +188,12 @@ int bs_resolve_precision(const bitsplit_ctx * ctx, enum ggml_type base, enum ggm
 
 /* bytes of shared buffer a job needs, and the per-thread scratch it will ask for */
 size_t bs_job_acts_size(const bitsplit_ctx * ctx, const bs_job * job) {
-    return family_for(ctx, job)->acts_size(job);
+    return bs_family_for(ctx, job)->acts_size(job);
 }
 
 /* The work of thread ith of nth on one product. job->acts must hold bs_job_acts_size bytes. */
 void bs_run_job(bitsplit_ctx * ctx, const bs_job * job, int ith, int nth) {
-    const bs_kernel_family * fam = family_for(ctx, job);
+    const bs_kernel_family * fam = bs_family_for(ctx, job);
     if (nth > BS_MAX_THREADS) {
         nth = BS_MAX_THREADS; /* threads beyond the limit only take part in the barrier */
     }

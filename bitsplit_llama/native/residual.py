@@ -162,6 +162,14 @@ class Residual:
             return self.set_kernel(name)
         return self._ffi.string(self._lib.bitsplit_ctx_choose_kernel(self.ptr, int(batch))).decode()
 
+    def family_of(self, name: str, n_cols: int, with_base: bool = True) -> str:
+        """The kernel family that computes :meth:`matmul` of ``name`` on ``n_cols`` columns now (the
+        pinned family, or the one that takes a product the pinned family cannot compute)."""
+        fam = self._ffi.string(self._lib.bitsplit_ctx_family_of(self.ptr, name.encode(), int(n_cols), with_base)).decode()
+        if not fam:
+            raise InvalidOptionError(f"no product of '{name}' on {n_cols} columns (with_base={with_base})")
+        return fam
+
     @property
     def kernel(self) -> str:
         return self._ffi.string(self._lib.bitsplit_ctx_kernel(self.ptr)).decode()

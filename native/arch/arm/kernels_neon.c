@@ -295,6 +295,7 @@ static void neon_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * s
 
 const bs_kernel_family bs_family_neon_f32 = {
     "neon-f32", BS_ISA_NEON, neon_cpu, neon_supports, neon_acts_size, neon_prepare_acts, neon_rows, 0,
+    .exact_weights = true,
 };
 
 #endif /* __aarch64__ */

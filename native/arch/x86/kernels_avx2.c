@@ -265,6 +265,7 @@ static void avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * s
 const bs_kernel_family bs_family_avx2_f32 = {
     "avx2-f32", BS_ISA_AVX2, avx2_fma_f16c, avx2_supports, avx2_acts_size, avx2_prepare_acts, avx2_rows,
     0, /* not a drafter: no measurement yet that it beats llama.cpp's Q2_K kernel at draft batches */
+    .exact_weights = true,
 };
 
 #endif /* __x86_64__ */

@@ -359,6 +359,7 @@ const bs_kernel_family bs_family_vnni_int24 = {
     /* drafting: measured on Qwen2.5-Coder-1.5B's Q2_K base, 2 cores (python bench/draft_speed.py
      * SPLIT): native/ggml time 1.22 at 1 column, 0.86 at 2, 0.65 at 4 */
     2,
+    .exact_weights = true,
 };
 
 #endif /* __x86_64__ */
