@@ -170,6 +170,10 @@ def _tree_nodes(value: str) -> int | str:
         raise InvalidOptionError(f"--tree-nodes: '{value}' is neither 'auto' nor a non-negative integer") from None
     if n < 0:
         raise InvalidOptionError(f"--tree-nodes: {n} is negative")
+    from .speculative.engine import MAX_TREE_NODES
+
+    if n > MAX_TREE_NODES:
+        raise InvalidOptionError(f"--tree-nodes: {n} is more than {MAX_TREE_NODES}, the largest tree one verify pass takes")
     return n
 
 
@@ -188,7 +192,7 @@ def run(
     min_p: float = typer.Option(0.05, "--min-p"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     tree_nodes: str = typer.Option("auto", "--tree-nodes",
-                                   help="Draft tree size: 'auto' (best for this machine, measured once), or a number; 0 = verifier alone."),
+                                   help="Draft tree size: 'auto' (best for this machine, measured once), or a number of nodes up to 256; 0 = verifier alone."),
     n_ctx: int = typer.Option(4096, "--n-ctx", help="Context size in tokens."),
     n_gpu_layers: Optional[int] = NGL,
     rpc: Optional[str] = RPC,

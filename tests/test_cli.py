@@ -46,6 +46,7 @@ CASES = [
     (["info", "{src}"], 1, "is not a directory"),
     (["info", "{t}"], 1, "not a split model directory"),
     (["fetch", "no-such-model"], 1, "unknown model 'no-such-model'"),
+    (["run", "{t}", "-p", "x", "--tree-nodes", "300"], 2, "--tree-nodes: 300 is more than 256"),
 ]
 
 

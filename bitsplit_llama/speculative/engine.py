@@ -22,7 +22,6 @@ Contract: each cycle emits at least one token, every one a draw from the verifie
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -55,8 +54,10 @@ class TreeShape:
     @classmethod
     def for_nodes(cls, nodes: int) -> "TreeShape":
         """A sensible shape for a node budget: a chain up to 4 nodes, then wider and deeper; from 25
-        nodes on, about 1.5 x sqrt(nodes) rounds (10 to 32: the depth budget) of a width that drafts
-        1.5 candidates per verified node (64 nodes: 12 rounds of 8; 256: 24 rounds of 16)."""
+        nodes on, a width of nodes / 16 (at least 4) and the rounds that draft 1.5 candidates per
+        verified node (at most 32): the tree can grow about 16 deep, where a wider one would stop
+        sooner (drafting ends once the tree holds nodes + width). 64 nodes: 24 rounds of 4; 256: 24
+        of 16."""
         if nodes < 0:
             raise InvalidOptionError(f"--tree-nodes: {nodes} is negative")
         if nodes > MAX_TREE_NODES:
@@ -69,8 +70,8 @@ class TreeShape:
         if nodes <= 24:
             width = 4
             return cls(nodes, width, min(10, max(4, (nodes * 3) // (2 * width) + 1)))
-        rounds = min(MAX_TREE_DEPTH, max(10, round(1.5 * math.sqrt(nodes))))
-        return cls(nodes, -(-3 * nodes // (2 * rounds)), rounds)
+        width = max(4, -(-nodes // 16))
+        return cls(nodes, width, min(MAX_TREE_DEPTH, -(-3 * nodes // (2 * width))))
 
     def validate(self) -> None:
         if self.nodes < 0 or self.width < 1 or self.rounds < 1:
