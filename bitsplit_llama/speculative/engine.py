@@ -349,9 +349,11 @@ class Engine:
         return calib.rank_counts
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _draft(self, id_last: int, sp: SamplingParams, nodes: int, stats: Stats) -> DraftTree:
-        """A draft tree under ``id_last`` with up to ``nodes`` nodes; the draft KV is rolled back."""
+    def _draft(self, id_last: int, sp: SamplingParams, nodes: int, stats: Stats, depth: int | None = None) -> DraftTree:
+        """A draft tree under ``id_last`` with up to ``nodes`` nodes, at most ``depth`` deep (default:
+        the shape's rounds); the draft KV is rolled back."""
         shape = self.shape
+        rounds = shape.rounds if depth is None else max(1, min(shape.rounds, depth))
         builder = TreeBuilder(id_last, shape.width, max(nodes, 0) + shape.width * 2)
         t0 = time.perf_counter()
         lane_of: dict[int, int] = {ROOT: 0}
@@ -364,12 +366,12 @@ class Engine:
             stats.draft_decode_seconds += time.perf_counter() - td
             stats.n_draft_passes += 1
             frontier = [ROOT]
-            for rnd in range(shape.rounds):
+            for rnd in range(rounds):
                 for node in frontier:
                     ids, lps = draft_candidates(ctx.logits_ith(row_of[node]), sp, CANDIDATES_PER_NODE)
                     builder.offer(node, ids, lps)
                 added = builder.next_round()
-                if not added or rnd == shape.rounds - 1 or len(builder.tree) >= nodes + shape.width:
+                if not added or rnd == rounds - 1 or len(builder.tree) >= nodes + shape.width:
                     break
                 # lanes: a first child continues its parent's lane, others get a copy of it; past the
                 # context's lanes, this round's nodes stay undecoded leaves (as the last round's)
@@ -518,9 +520,12 @@ class Engine:
                     return  # the context is full: stop cleanly
                 if self.n_past + self._n_junk + n_cycle > self.ctx.n_cells:
                     self._flush_junk()
-                nodes = min(self.shape.nodes, room, max_tokens - stats.n_emitted - 1) if spec else 0
+                # what is left (positions, tokens to emit) limits the tree's depth, not its size: a
+                # tree emits at most its depth + 1 tokens, and its nodes take reserved cells
+                depth = min(room, max_tokens - stats.n_emitted - 1) if spec else 0
+                nodes = self.shape.nodes if depth > 0 else 0
                 if nodes > 0:
-                    tree = self._draft(id_last, sp, nodes, stats)
+                    tree = self._draft(id_last, sp, nodes, stats, depth)
                     emitted = self._verify(tree, sp, rng, stats)
                 else:
                     emitted = self._plain_step(id_last, sp, rng, stats)
