@@ -115,6 +115,8 @@ def main() -> None:
             print(f"[{time.time() - t_start:6.0f}s] temp {temp} {name}: {emitted / verifies:.2f} tokens/verify, "
                   f"{1000 * t_verify / cycles:.0f} ms per verify pass, {1000 * t_draft / cycles:.0f} ms drafting",
                   file=sys.stderr, flush=True)
+            if a.json:  # after each configuration: a long run stopped early keeps what it measured
+                a.json.write_text(json.dumps(results))
             eng.reset()
     # greedy identity: verifier alone (same kernel family as the tree's passes) vs each greedy run
     if 0.0 in temps:
