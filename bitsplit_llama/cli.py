@@ -168,12 +168,9 @@ def _tree_nodes(value: str) -> int | str:
         n = int(value)
     except ValueError:
         raise InvalidOptionError(f"--tree-nodes: '{value}' is neither 'auto' nor a non-negative integer") from None
-    if n < 0:
-        raise InvalidOptionError(f"--tree-nodes: {n} is negative")
-    from .speculative.engine import MAX_TREE_NODES
+    from .speculative.engine import TreeShape
 
-    if n > MAX_TREE_NODES:
-        raise InvalidOptionError(f"--tree-nodes: {n} is more than {MAX_TREE_NODES}, the largest tree one verify pass takes")
+    TreeShape.for_nodes(n)  # the one check of the range (negative, more than a verify pass takes)
     return n
 
 

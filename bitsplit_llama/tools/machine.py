@@ -403,8 +403,6 @@ def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
         f = getattr(base, name)
         f.argtypes, f.restype = args, res
     cpu.ggml_cpu_init.argtypes, cpu.ggml_cpu_init.restype = [], None
-    # enum ggml_status ggml_graph_compute_with_ctx(struct ggml_context *, struct ggml_cgraph *, int n_threads)
-    cpu.ggml_graph_compute_with_ctx.argtypes, cpu.ggml_graph_compute_with_ctx.restype = [vp, vp, ctypes.c_int], ctypes.c_int
     # struct ggml_cplan ggml_graph_plan(const struct ggml_cgraph *, int n_threads, struct ggml_threadpool *)
     cpu.ggml_graph_plan.argtypes, cpu.ggml_graph_plan.restype = [vp, ctypes.c_int, vp], _CPlan
     # enum ggml_status ggml_graph_compute(struct ggml_cgraph *, struct ggml_cplan *)
@@ -413,7 +411,7 @@ def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
 
 
 def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: Optional[Log] = None) -> list[dict]:
-    """Stock ggml's CPU kernels (ggml_mul_mat, ggml_graph_compute_with_ctx) on the residual's own
+    """Stock ggml's CPU kernels (ggml_mul_mat, ggml_graph_plan, ggml_graph_compute) on the residual's own
     Q6_K bytes: one graph of one product per tensor, the same pass as :func:`measure_residual`'s."""
     from ..formats.gguf_file import GGUFFile
     from ..formats.split import RESIDUAL_NAME
