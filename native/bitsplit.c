@@ -197,19 +197,31 @@ int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size) {
     return st;
 }
 
-int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols, float * y,
-                        bool with_base) {
-    if (ctx == NULL || name == NULL || x == NULL || y == NULL || n_cols < 0) {
+/* the job of bitsplit_ctx_matmul (x, y may be NULL: to ask which family would compute it) */
+static int matmul_job(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols, float * y,
+                      bool with_base, bs_job * job) {
+    if (ctx == NULL || name == NULL || n_cols < 0) {
         return BITSPLIT_E_INVALID;
     }
     const bs_entry * e = bs_find_entry(ctx, name);
     if (e == NULL || e->ne[2] != 1 || e->ne[3] != 1 || (e->exact && !with_base)) {
         return BITSPLIT_E_INVALID; /* a weight without residual has no R . x */
     }
+    bs_fill_job(job, e, with_base ? e->base_data : NULL, 0, e->ne[1]);
+    bs_job_columns(job, ctx, x, n_cols, y);
+    return BITSPLIT_OK;
+}
+
+int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols, float * y,
+                        bool with_base) {
+    if (x == NULL || y == NULL) {
+        return BITSPLIT_E_INVALID;
+    }
     const uint64_t t0 = bs_now_ns();
     bs_job job;
-    bs_fill_job(&job, e, with_base ? e->base_data : NULL, 0, e->ne[1]);
-    bs_job_columns(&job, ctx, x, n_cols, y);
+    if (matmul_job(ctx, name, x, n_cols, y, with_base, &job) != BITSPLIT_OK) {
+        return BITSPLIT_E_INVALID;
+    }
     bs_overlap_drain(ctx);
     const int st = bs_run_on_pool(ctx, &job);
     if (st == BITSPLIT_OK) {
@@ -219,16 +231,10 @@ int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, 
 }
 
 const char * bitsplit_ctx_family_of(bitsplit_ctx * ctx, const char * name, int64_t n_cols, bool with_base) {
-    if (ctx == NULL || name == NULL || n_cols < 1) {
-        return "";
-    }
-    const bs_entry * e = bs_find_entry(ctx, name);
-    if (e == NULL || (e->exact && !with_base)) {
-        return "";
-    }
     bs_job job;
-    bs_fill_job(&job, e, with_base ? e->base_data : NULL, 0, e->ne[1]);
-    bs_job_columns(&job, ctx, NULL, n_cols, NULL);
+    if (n_cols < 1 || matmul_job(ctx, name, NULL, n_cols, NULL, with_base, &job) != BITSPLIT_OK) {
+        return "";
+    }
     return bs_family_for(ctx, &job)->name;
 }
 

@@ -135,7 +135,8 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data);
 int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols,
                         float * y, bool with_base);
 /* the kernel family that computes bitsplit_ctx_matmul(ctx, name, ., n_cols, ., with_base) now
- * ("" for an unknown weight, a bad column count or R . x of a weight without residual) */
+ * ("" where that call would be refused: an unknown or 3-D weight, a bad column count, R . x of a
+ * weight without residual) */
 const char * bitsplit_ctx_family_of(bitsplit_ctx * ctx, const char * name, int64_t n_cols, bool with_base);
 
 /* Kernel families. One policy (kernels.c) decides which family computes a product, by batch size,
