@@ -245,13 +245,41 @@ static bool host(const struct ggml_tensor * t) {
     return bs_host_tensor(t);
 }
 
+/* The entry of a weight by its name in the graph. ggml's scheduler names its copy of a tensor for
+ * another backend "BACKEND#name#N" (ggml-backend.cpp: llama.cpp's op offload computes a large
+ * batch of a CPU weight on the GPU from such a copy): the same weight, so the same residual. */
+static const bs_entry * find_weight(const bitsplit_ctx * ctx, const char * name) {
+    const bs_entry * e = bs_find_entry(ctx, name);
+    if (e != NULL) {
+        return e;
+    }
+    const char * a = strchr(name, '#');
+    const char * b = strrchr(name, '#');
+    if (a == NULL || b <= a + 1 || b[1] == '\0') {
+        return NULL;
+    }
+    for (const char * p = b + 1; *p != '\0'; p++) {
+        if (*p < '0' || *p > '9') {
+            return NULL;
+        }
+    }
+    char inner[GGML_MAX_NAME];
+    const size_t n = (size_t)(b - a - 1);
+    if (n >= sizeof(inner)) {
+        return NULL;
+    }
+    memcpy(inner, a + 1, n);
+    inner[n] = '\0';
+    return bs_find_entry(ctx, inner);
+}
+
 /* The residual entry for the weight of node t, after checking the graph's weight against it. */
 static const bs_entry * entry_for(bitsplit_ctx * ctx, const struct ggml_tensor * t) {
     const struct ggml_tensor * w = t->src[0];
     if (w == NULL || w->name[0] == '\0') {
         return NULL;
     }
-    const bs_entry * e = bs_find_entry(ctx, w->name);
+    const bs_entry * e = find_weight(ctx, w->name);
     if (e == NULL) {
         return NULL;
     }

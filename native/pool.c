@@ -194,8 +194,9 @@ size_t bs_job_acts_size(const bitsplit_ctx * ctx, const bs_job * job) {
 /* The work of thread ith of nth on one product. job->acts must hold bs_job_acts_size bytes. */
 void bs_run_job(bitsplit_ctx * ctx, const bs_job * job, int ith, int nth) {
     const bs_kernel_family * fam = bs_family_for(ctx, job);
+    const int n_called = nth; /* every calling thread takes part in the barrier */
     if (nth > BS_MAX_THREADS) {
-        nth = BS_MAX_THREADS; /* threads beyond the limit only take part in the barrier */
+        nth = BS_MAX_THREADS; /* threads beyond the limit compute nothing */
     }
     const bool active = ith < nth;
     if (fam->acts_size(job) > 0) {
@@ -203,7 +204,7 @@ void bs_run_job(bitsplit_ctx * ctx, const bs_job * job, int ith, int nth) {
             const int64_t c0 = job->n_cols * ith / nth, c1 = job->n_cols * (ith + 1) / nth;
             fam->prepare_acts(job, c0, c1);
         }
-        bs_barrier(ctx, nth);
+        bs_barrier(ctx, n_called);
     }
     if (!active) {
         return;
