@@ -281,3 +281,14 @@ def test_stock_drafter_without_a_native_family(tiny_split):
         with sm.drafting() as ctx:
             ctx.decode(toks, list(range(len(toks))))
             assert np.array_equal(ctx.logits(len(toks)), auto)
+
+
+def test_split_contexts_keep_their_layers_off_op_offload(tiny_split):
+    """A GPU build of llama.cpp computes the large batches of a layer left in RAM on the GPU, from a
+    copy of its weight named "CUDA0#blk...#0" (op offload): a second code path by batch size, and on
+    an H200 the residual went missing there (verifier KL = the base alone's). Split contexts, the
+    user's and those made for measurements, turn it off."""
+    with SplitModel(tiny_split, n_ctx=64, n_batch=64) as sm:
+        assert sm.ctx._params.op_offload is False
+        with sm.own_context(n_ctx=32, n_batch=32, n_seq_max=1) as view:
+            assert view.ctx._params.op_offload is False

@@ -137,7 +137,7 @@ class Context:
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
                  n_seq_max: int = 1, n_threads: int | None = None, cb_eval: int | None = None,
                  cb_eval_user_data: int | None = None, kv_unified: bool = True, flash_attn: bool | None = None,
-                 kv_type: str = "f16", reserve: int = 0):
+                 kv_type: str = "f16", reserve: int = 0, op_offload: bool | None = None):
         ll = _llama()
         if n_ctx < 8:
             raise InvalidOptionError(f"--n-ctx: {n_ctx} is too small (at least 8)")
@@ -163,6 +163,8 @@ class Context:
         p.no_perf = True
         if flash_attn is not None:
             p.flash_attn_type = 1 if flash_attn else 0
+        if op_offload is not None:
+            p.op_offload = bool(op_offload)
         kv_types = {"f16": 1, "f32": 0, "q8_0": 8}
         if kv_type not in kv_types:
             raise InvalidOptionError(f"kv_type '{kv_type}' unknown (expected one of: {', '.join(kv_types)})")

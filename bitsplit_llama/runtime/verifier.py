@@ -109,9 +109,16 @@ class SplitModel:
             raise
 
     def _context(self, **kw) -> Context:
-        """A llama.cpp context over this model whose eval callback is this residual."""
+        """A llama.cpp context over this model whose eval callback is this residual.
+
+        Without llama.cpp's op offload: with it, a GPU build computes the large batches (32+ rows:
+        prompts, big trees) of the layers left in RAM on the GPU, from copies of their base weights
+        sent over PCIe each time, so those layers would take two code paths by batch size (no batch
+        invariance) and read their base twice; the residual is read here anyway. (Seen on an H200,
+        all layers in RAM: the copies' names hid the weights from the callback, and the verifier
+        scored KL 0.175, the base alone's 0.173, instead of 3e-6; the callback knows those names now.)"""
         return Context(self.model, cb_eval=native.callback_address(), cb_eval_user_data=self.residual.address,
-                       **self._ctx_kw, **kw)
+                       op_offload=False, **self._ctx_kw, **kw)
 
     @contextlib.contextmanager
     def own_context(self, *, n_ctx: int, n_batch: int, n_seq_max: int, reserve: int | None = None):
