@@ -30,6 +30,18 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _before_any_command() -> None:
+    # llama.cpp's libraries are loaded before anything loads numpy: a llama.cpp linked with a static
+    # libstdc++ (no libstdc++.so in its NEEDED) crashes in its tokenizer's std::regex when numpy's
+    # shared libstdc++ was loaded first; stock llama_cpp.Llama too (seen on an H200 machine whose
+    # compiler links libstdc++ statically). Not for --help, which loads nothing.
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception:  # the command that needs it says what is wrong
+        pass
+
+
 def _err(msg: str) -> None:
     print(f"bitsplit: error: {msg}", file=sys.stderr, flush=True)
 

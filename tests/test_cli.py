@@ -243,3 +243,16 @@ def test_rpc_without_the_backend_says_how_to_rebuild(monkeypatch, tiny_split, ca
     assert "built without it" in err and "-DGGML_RPC=on" in err and len(err.strip().splitlines()) == 1
     assert main(["rpc-server", "--port", "50999"]) == 1
     assert "built without it" in capsys.readouterr().err
+
+
+def test_commands_load_llama_cpp_before_numpy(tiny_split):
+    """A llama.cpp linked with a static libstdc++ crashes in its tokenizer when numpy's shared
+    libstdc++ was loaded first (stock llama_cpp.Llama too; seen on an H200 machine): every command
+    loads llama.cpp's libraries first. A fresh process, so that nothing here was imported before."""
+    code = ("import sys\nfrom bitsplit_llama.cli import main\n"
+            f"rc = main(['info', {str(tiny_split)!r}])\n"
+            "names = list(sys.modules)\n"
+            "print(rc, names.index('llama_cpp.llama_cpp') < names.index('numpy'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "0 True", out.stdout
