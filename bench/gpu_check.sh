@@ -22,6 +22,8 @@
 #   GPU_CHECK_WHEELS  offline machine: a folder of wheels for what its Python lacks; the venv then
 #                     sees the system's packages and nothing is fetched (needs GPU_CHECK_SDIST and
 #                     GPU_CHECK_MODEL too)
+#   GPU_CHECK_BUILT=1 the running python3 already holds a GPU build of llama-cpp-python and this
+#                     project (e.g. from an earlier run): no venv, nothing built or installed
 #   GPU_CHECK_DRY=1   no GPU needed: the same steps with the base on the CPU (checks this script)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,36 +36,54 @@ PIN=$(sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
 SDIST=${GPU_CHECK_SDIST:-$PIN}
 say() { echo "gpu_check: $(date +%T) $*" >&2; }
 
-VENV_ARGS=()
-if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
-    [[ -n "${GPU_CHECK_SDIST:-}" && -n "${GPU_CHECK_MODEL:-}" ]] ||
-        { say "GPU_CHECK_WHEELS (offline) needs GPU_CHECK_SDIST and GPU_CHECK_MODEL"; exit 2; }
-    VENV_ARGS=(--system-site-packages)
-    PIP=(python -m pip install -q --no-index --no-deps --no-build-isolation)
-else
-    PIP=(python -m pip install -q)
-fi
-if [[ "$VENV" != "-" ]]; then
-    python3 -m venv "${VENV_ARGS[@]}" "$VENV"
-    # shellcheck disable=SC1091
-    . "$VENV/bin/activate"
-else
+if [[ -n "${GPU_CHECK_BUILT:-}" ]]; then
     python() { python3 "$@"; }
-fi
-bitsplit() { python -m bitsplit_llama.cli "$@"; }
-if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
-    "${PIP[@]}" "$GPU_CHECK_WHEELS"/*.whl
+    bitsplit() { python -m bitsplit_llama.cli "$@"; }
+    say "using the llama-cpp-python and bitsplit-llama already installed in $(command -v python3)"
 else
-    python -m pip install -q --upgrade pip
+    VENV_ARGS=()
+    if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
+        [[ -n "${GPU_CHECK_SDIST:-}" && -n "${GPU_CHECK_MODEL:-}" ]] ||
+            { say "GPU_CHECK_WHEELS (offline) needs GPU_CHECK_SDIST and GPU_CHECK_MODEL"; exit 2; }
+        VENV_ARGS=(--system-site-packages)
+        PIP=(python -m pip install -q --no-index --no-deps --no-build-isolation)
+    else
+        PIP=(python -m pip install -q)
+    fi
+    if [[ "$VENV" != "-" ]]; then
+        python3 -m venv "${VENV_ARGS[@]}" "$VENV"
+        # shellcheck disable=SC1091
+        . "$VENV/bin/activate"
+    else
+        python() { python3 "$@"; }
+    fi
+    bitsplit() { python -m bitsplit_llama.cli "$@"; }
+    if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
+        "${PIP[@]}" "$GPU_CHECK_WHEELS"/*.whl
+    else
+        python -m pip install -q --upgrade pip
+    fi
+    say "building $SDIST with CMAKE_ARGS='$CMAKE' (no wheel cache)"
+    SECONDS=0
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} CMAKE_ARGS="$CMAKE" \
+        "${PIP[@]}" --no-cache-dir "$SDIST" >"$OUT/install.log" 2>&1 ||
+        { tail -40 "$OUT/install.log" >&2; exit 1; }
+    say "llama-cpp-python built in ${SECONDS} s"
+    "${PIP[@]}" -e ".[test]" >>"$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log" >&2; exit 1; }
+    bitsplit build-native >>"$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log" >&2; exit 1; }
 fi
-say "building $SDIST with CMAKE_ARGS='$CMAKE' (no wheel cache)"
-SECONDS=0
-CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} CMAKE_ARGS="$CMAKE" \
-    "${PIP[@]}" --no-cache-dir "$SDIST" >"$OUT/install.log" 2>&1 ||
-    { tail -40 "$OUT/install.log" >&2; exit 1; }
-say "llama-cpp-python built in ${SECONDS} s"
-"${PIP[@]}" -e ".[test]" >>"$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log" >&2; exit 1; }
-bitsplit build-native >>"$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log" >&2; exit 1; }
+# A llama.cpp linked with a static libstdc++ (some toolchains' compiler wrappers do that; libllama.so
+# then NEEDs no libstdc++.so) crashes in its tokenizer whenever numpy's shared libstdc++ was loaded
+# first, stock llama_cpp.Llama too (seen on an H200 machine). bitsplit's CLI loads llama.cpp first;
+# the tests import numpy first, so for this check the shared libstdc++ is preloaded (that worked there).
+LIBLLAMA=$(python -c "import importlib.util as u, os; print(os.path.join(os.path.dirname(u.find_spec('llama_cpp').origin), 'lib', 'libllama.so'))")
+if command -v readelf >/dev/null && [[ -f "$LIBLLAMA" ]] && ! readelf -d "$LIBLLAMA" | grep -q 'NEEDED.*libstdc++'; then
+    STDCXX=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64|libstdc\+\+\.so\.6 .*AArch64/ {print $NF; exit}')
+    if [[ -n "$STDCXX" ]]; then
+        export LD_PRELOAD="$STDCXX${LD_PRELOAD:+:$LD_PRELOAD}"
+        say "$LIBLLAMA links no shared libstdc++ (a static one): preloading $STDCXX for this check"
+    fi
+fi
 GPUS=$(python -c "from bitsplit_llama.runtime import rpc; print(rpc.gpu_count())")
 NGL=99
 if [[ -n "${GPU_CHECK_DRY:-}" ]]; then
@@ -84,7 +104,7 @@ say "tests: $TESTS"
 
 SRC=${GPU_CHECK_MODEL:-$(python -c "from bitsplit_llama.tools.fetch import fetch_model; print(fetch_model('smollm2-135m'))")}
 SPLIT="$OUT/split"
-bitsplit split "$SRC" -o "$SPLIT" --residual q8_0 >"$OUT/split.log" 2>&1 ||
+bitsplit split "$SRC" -o "$SPLIT" --residual q8_0 --force >"$OUT/split.log" 2>&1 ||
     { tail -20 "$OUT/split.log" >&2; exit 1; }
 python - "$OUT/text.txt" <<'PY'
 import sys, argparse, textwrap, inspect
