@@ -142,3 +142,33 @@ def test_cpu_plan_reads_the_split_and_the_profile(capsys, cache, monkeypatch, ti
     assert bs["verify_pass_s"] == round(t_verify, 4)
     assert bs["tokens_per_second"] == round(3.0 / (4.0 * base / stream + t_verify), 2)
     assert p["gpu"] == "none" and p["projection"] is True and "no GPU" in p["text"]
+
+
+def _cache_entry(root, cpu, index, level, size, shared, kind="Unified"):
+    d = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    for name, text in (("level", str(level)), ("size", size), ("shared_cpu_list", shared), ("type", kind)):
+        (d / name).write_text(text + "\n")
+
+
+def test_full_profile_outgrows_the_last_level_cache(tmp_path):
+    """The synthetic split is at least 4x the last-level cache (summed over its instances), so a
+    server's L3 cannot hold it (with the 83 MB default, ggml read a Xeon's at 1.4x its measured RAM
+    bandwidth)."""
+    from bitsplit_llama.tools import machine
+
+    # two sockets, each with a 48 MB L3 over its cores (and per-core L1/L2, not counted)
+    for cpu in range(4):
+        shared = "0-1" if cpu < 2 else "2-3"
+        _cache_entry(tmp_path, cpu, 0, 1, "48K", str(cpu), "Data")
+        _cache_entry(tmp_path, cpu, 1, 1, "32K", str(cpu), "Instruction")
+        _cache_entry(tmp_path, cpu, 2, 2, "2048K", str(cpu))
+        _cache_entry(tmp_path, cpu, 3, 3, "48M", shared)
+    llc = machine.last_level_cache_bytes(tmp_path)
+    assert llc == 2 * 48 * 2**20
+    size = machine.full_size(llc)
+    assert size.tensors * size.ne0 * size.ne1 * 210 / 256 >= 4 * llc
+    assert (size.tensors - 1) * size.ne0 * size.ne1 * 210 / 256 < 4 * llc
+    assert machine.full_size(0) == machine.FULL  # a desktop, or no sysfs: the default
+    assert machine.full_size(2**40).tensors == machine.FULL_MAX_TENSORS
+    assert machine.last_level_cache_bytes(tmp_path / "missing") == 0

@@ -3,13 +3,13 @@
 What it holds: the CPU model and the ISA flags that matter, threads, physical memory, the kernel
 families the native library runs here and which one its policy picks for each batch size (asked of
 the library: the thresholds live only in C), memory bandwidth (a threaded numpy reduction), the
-residual product's throughput per family at batch 1, 4, 16 and 64 on a synthetic split larger than
-the caches, stock ggml's own throughput on the same bytes, and the devices llama.cpp sees.
+residual product's throughput per family at batch 1, 4, 16 and 64 on a synthetic split of at least
+83 MB and 4x the last-level cache (up to 1.8 GB), stock ggml's own throughput on the same bytes, and the devices llama.cpp sees.
 
 ``bitsplit doctor`` prints it; ``bitsplit plan`` takes its residual rate per core from it. The
 profile is cached as JSON under ``<cache>/machine/``, keyed by the CPU model and flags, the native
-build key, ``BITSPLIT_MAX_ISA``, ``BITSPLIT_KERNEL``, the thread count and the size (full or quick):
-anything that changes what would be measured gives another file.
+build key, ``BITSPLIT_MAX_ISA``, ``BITSPLIT_KERNEL``, the thread count and the size (full or quick,
+and its tensor count): anything that changes what would be measured gives another file.
 """
 
 from __future__ import annotations
@@ -69,8 +69,43 @@ class Size:
         return self.tensors * self.ne0 * self.ne1
 
 
-#: about 83 MB of Q6_K residual (33 MB of Q2_K base): larger than the L3 of desktop CPUs
+#: about 83 MB of Q6_K residual (33 MB of Q2_K base): larger than the L3 of desktop CPUs; servers
+#: get more tensors (full_size)
 FULL = Size("full", 3, 4096, 8192, 5, 1.5, 1.0)
+#: at most this many tensors of FULL's shape (1.8 GB of residual)
+FULL_MAX_TENSORS = 64
+
+
+def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
+    """Bytes of the highest cache level summed over its instances (one per socket, or per core
+    complex on AMD), from Linux's sysfs; 0 where it says nothing."""
+    best_level, groups = 0, {}
+    for idx in sysfs.glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            level = int((idx / "level").read_text())
+            text = (idx / "size").read_text().strip().upper()
+            shared = (idx / "shared_cpu_list").read_text().strip()
+            if (idx / "type").read_text().strip() == "Instruction":
+                continue
+            unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            size = int(text[:-1] if text[-1:] in "KMG" else text) * unit
+        except (OSError, ValueError):
+            continue
+        if level > best_level:
+            best_level, groups = level, {}
+        if level == best_level:
+            groups[shared] = size
+    return sum(groups.values())
+
+
+def full_size(llc_bytes: Optional[int] = None) -> Size:
+    """FULL with enough tensors that the residual is at least 4x the last-level cache: with FULL's
+    83 MB, stock ggml read a Xeon's at 1.4x its measured RAM bandwidth (2026-11): from its L3."""
+    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    per_tensor = FULL.ne0 * FULL.ne1 * 210 // 256  # Q6_K: 210 bytes per 256 weights
+    n = min(FULL_MAX_TENSORS, max(FULL.tensors, -(-4 * llc // per_tensor)))
+    return FULL if n == FULL.tensors else Size(FULL.name, n, FULL.ne0, FULL.ne1, FULL.repeat, FULL.budget_s,
+                                                FULL.bandwidth_gib)
 #: for tests: small, few repeats (fits in caches; its figures are not the machine's)
 QUICK = Size("quick", 2, 1024, 1024, 2, 0.2, 0.125)
 
@@ -151,6 +186,7 @@ def profile_key(threads: Optional[int] = None, quick: bool = False) -> tuple[str
         "kernel": os.environ.get("BITSPLIT_KERNEL", ""),
         "threads": _threads(threads),
         "size": (QUICK if quick else FULL).name,
+        "tensors": (QUICK if quick else full_size()).tensors,
     }
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return key, parts
@@ -506,7 +542,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
 
         raise InvalidOptionError(f"BITSPLIT_MAX_ISA='{cap}': expected one of {', '.join(policy.ISA_LEVELS)}")
     t_start = time.perf_counter()
-    size = QUICK if quick else FULL
+    size = QUICK if quick else full_size()
     threads = _threads(threads)
     cpu = cpu_info()
     fams = policy.families()
