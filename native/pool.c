@@ -26,8 +26,9 @@ struct bs_pool {
     pthread_cond_t cv_work, cv_done;
     bs_task_fn fn;
     void * arg;
+    int nth;            /* threads taking part in the current generation (the caller included) */
     uint64_t generation;
-    int pending;
+    int pending;        /* workers of the current generation not done yet */
     bool stop;
 };
 
@@ -54,8 +55,12 @@ static void * pool_worker(void * p) {
         seen = pool->generation;
         bs_task_fn fn = pool->fn;
         void * arg = pool->arg;
+        const int nth = pool->nth;
         pthread_mutex_unlock(&pool->lock);
-        fn(arg, ith, pool->n + 1);
+        if (ith >= nth) {
+            continue; /* not needed this time: the caller does not wait for this thread */
+        }
+        fn(arg, ith, nth);
         pthread_mutex_lock(&pool->lock);
         if (--pool->pending == 0) {
             pthread_cond_signal(&pool->cv_done);
@@ -114,19 +119,24 @@ static bs_pool * pool_new(int n_threads) {
     return pool;
 }
 
-static void pool_run(bs_pool * pool, bs_task_fn fn, void * arg) {
-    if (pool == NULL || pool->n == 0) {
+/* fn on nth threads (the caller and workers 1 .. nth-1; at most the pool's); the others stay idle */
+static void pool_run(bs_pool * pool, bs_task_fn fn, void * arg, int nth) {
+    if (pool == NULL || pool->n == 0 || nth <= 1) {
         fn(arg, 0, 1);
         return;
+    }
+    if (nth > pool->n + 1) {
+        nth = pool->n + 1;
     }
     pthread_mutex_lock(&pool->lock);
     pool->fn = fn;
     pool->arg = arg;
-    pool->pending = pool->n;
+    pool->nth = nth;
+    pool->pending = nth - 1;
     pool->generation++;
     pthread_cond_broadcast(&pool->cv_work);
     pthread_mutex_unlock(&pool->lock);
-    fn(arg, 0, pool->n + 1);
+    fn(arg, 0, nth);
     pthread_mutex_lock(&pool->lock);
     while (pool->pending > 0) {
         pthread_cond_wait(&pool->cv_done, &pool->lock);
@@ -277,8 +287,43 @@ static void pool_job_fn(void * p, int ith, int nth) {
     bs_run_job(a->ctx, a->job, ith, nth);
 }
 
+/* How many of the pool's threads a product is worth. A product runs as fast as its slowest
+ * thread: one that must first be woken, or that the OS has put behind another process, costs tens
+ * of microseconds to milliseconds, so each thread gets at least bs_thread_min_bytes of work
+ * (weight bytes, counted up to 4x as the columns grow). Rows are independent, so the result does
+ * not depend on the count. BITSPLIT_THREAD_MIN_KB overrides the default (0: every thread). */
+static int64_t thread_min_bytes(void) {
+    static _Atomic int64_t cached = -1;
+    int64_t v = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (v < 0) {
+        const char * env = getenv("BITSPLIT_THREAD_MIN_KB");
+        char * end = NULL;
+        const long long kb = env != NULL && env[0] != '\0' ? strtoll(env, &end, 10) : -1;
+        v = kb >= 0 && kb < (1LL << 40) && end != NULL && *end == '\0' ? (int64_t)kb * 1024 : BS_THREAD_MIN_BYTES;
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return v;
+}
+
+int bs_threads_for(const bitsplit_ctx * ctx, const bs_job * job) {
+    return bs_threads_for_min(ctx, job, thread_min_bytes());
+}
+
+int bs_threads_for_min(const bitsplit_ctx * ctx, const bs_job * job, int64_t min_bytes) {
+    if (min_bytes <= 0 || ctx->n_threads <= 1) {
+        return ctx->n_threads;
+    }
+    int64_t bytes = job->N * (int64_t)(job->r != NULL ? job->r_row_bytes : 0) +
+                    job->N * (int64_t)(job->w2 != NULL ? job->w2_row_bytes : 0);
+    const int64_t cols = job->n_cols < 1 ? 1 : job->n_cols;
+    bytes += bytes * (cols < 13 ? cols - 1 : 12) / 4; /* x1 at one column .. x4 from 13 */
+    const int64_t n = bytes / min_bytes;
+    return n < 1 ? 1 : n > ctx->n_threads ? ctx->n_threads : (int)n;
+}
+
 int bs_run_on_pool(bitsplit_ctx * ctx, bs_job * job) {
-    if (ctx->pool == NULL && ctx->n_threads > 1) {
+    const int nth = bs_threads_for(ctx, job);
+    if (ctx->pool == NULL && nth > 1) {
         ctx->pool = pool_new(ctx->n_threads);
     }
     if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, job) + 64)) {
@@ -286,6 +331,6 @@ int bs_run_on_pool(bitsplit_ctx * ctx, bs_job * job) {
     }
     job->acts = ctx->acts;
     pool_job_arg a = {ctx, job};
-    pool_run(ctx->pool, pool_job_fn, &a);
+    pool_run(ctx->pool, pool_job_fn, &a, nth);
     return BITSPLIT_OK;
 }

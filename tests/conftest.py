@@ -8,6 +8,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The test models are tiny: by default the native pool would run each of their products on one
+# thread (BS_THREAD_MIN_BYTES), and nothing here would run the pool's threads together. Every
+# thread takes part, as on real models (the sizing itself: native/tests/test_native.c).
+os.environ.setdefault("BITSPLIT_THREAD_MIN_KB", "0")
+
 from synth import write_tiny_llama  # noqa: E402
 
 
