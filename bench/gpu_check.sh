@@ -41,9 +41,11 @@ PIN=$(sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
 SDIST=${GPU_CHECK_SDIST:-$PIN}
 say() { echo "gpu_check: $(date +%T) $*" >&2; }
 
+bitsplit() { python -m bitsplit_llama.cli "$@"; }
+if [[ -n "${GPU_CHECK_BUILT:-}" || "$VENV" == "-" ]]; then
+    python() { python3 "$@"; }  # no venv of its own: the running python3
+fi
 if [[ -n "${GPU_CHECK_BUILT:-}" ]]; then
-    python() { python3 "$@"; }
-    bitsplit() { python -m bitsplit_llama.cli "$@"; }
     say "using the llama-cpp-python and bitsplit-llama already installed in $(command -v python3)"
 else
     VENV_ARGS=()
@@ -59,10 +61,7 @@ else
         python3 -m venv "${VENV_ARGS[@]}" "$VENV"
         # shellcheck disable=SC1091
         . "$VENV/bin/activate"
-    else
-        python() { python3 "$@"; }
     fi
-    bitsplit() { python -m bitsplit_llama.cli "$@"; }
     if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
         "${PIP[@]}" "$GPU_CHECK_WHEELS"/*.whl
     else

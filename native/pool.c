@@ -289,7 +289,7 @@ static void pool_job_fn(void * p, int ith, int nth) {
 
 /* How many of the pool's threads a product is worth. A product runs as fast as its slowest
  * thread: one that must first be woken, or that the OS has put behind another process, costs tens
- * of microseconds to milliseconds, so each thread gets at least bs_thread_min_bytes of work
+ * of microseconds to milliseconds, so each thread gets at least BS_THREAD_MIN_BYTES of work
  * (weight bytes, counted up to 4x as the columns grow). Rows are independent, so the result does
  * not depend on the count. BITSPLIT_THREAD_MIN_KB overrides the default (0: every thread). */
 static int64_t thread_min_bytes(void) {

@@ -4,7 +4,8 @@ What it holds: the CPU model and the ISA flags that matter, threads, physical me
 families the native library runs here and which one its policy picks for each batch size (asked of
 the library: the thresholds live only in C), memory bandwidth (a threaded numpy reduction), the
 residual product's throughput per family at batch 1, 4, 16 and 64 on a synthetic split of at least
-83 MB and 4x the last-level cache (up to 1.8 GB), stock ggml's own throughput on the same bytes, and the devices llama.cpp sees.
+83 MB and 4x the last-level cache (up to 1.8 GB), stock ggml's own throughput on the same bytes,
+and the devices llama.cpp sees.
 
 ``bitsplit doctor`` prints it; ``bitsplit plan`` takes its residual rate per core from it. The
 profile is cached as JSON under ``<cache>/machine/``, keyed by the CPU model and flags, the native
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -25,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -76,9 +78,11 @@ FULL = Size("full", 3, 4096, 8192, 5, 1.5, 1.0)
 FULL_MAX_TENSORS = 64
 
 
+@functools.lru_cache(maxsize=None)
 def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu")) -> int:
     """Bytes of the highest cache level summed over its instances (one per socket, or per core
-    complex on AMD), from Linux's sysfs; 0 where it says nothing."""
+    complex on AMD), from Linux's sysfs; 0 where it says nothing. Read once per process (the
+    profile's key and its measurement both ask)."""
     best_level, groups = 0, {}
     for idx in sysfs.glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
@@ -104,8 +108,7 @@ def full_size(llc_bytes: Optional[int] = None) -> Size:
     llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
     per_tensor = FULL.ne0 * FULL.ne1 * 210 // 256  # Q6_K: 210 bytes per 256 weights
     n = min(FULL_MAX_TENSORS, max(FULL.tensors, -(-4 * llc // per_tensor)))
-    return FULL if n == FULL.tensors else Size(FULL.name, n, FULL.ne0, FULL.ne1, FULL.repeat, FULL.budget_s,
-                                                FULL.bandwidth_gib)
+    return replace(FULL, tensors=n)
 #: for tests: small, few repeats (fits in caches; its figures are not the machine's)
 QUICK = Size("quick", 2, 1024, 1024, 2, 0.2, 0.125)
 

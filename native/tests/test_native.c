@@ -1063,49 +1063,43 @@ static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mte
     CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_MUL_MAT, "%s: not restored", what);
     CHECK(memcmp(params0, Y->op_params, sizeof(params0)) == 0, "%s: op_params not restored", what);
 
-    /* add mode: observed, then R . x added to what the node holds */
+    /* add mode: observed, then R . x added to what the node holds; the same under the name of the
+     * scheduler's copy of the weight for another backend ("CUDA0#name#12": llama.cpp's op offload
+     * computes a large batch of a CPU weight on the GPU from such a copy) */
     bitsplit_ctx_set_enabled(ctx, true);
     CHECK(bitsplit_ctx_set_mode(ctx, BITSPLIT_MODE_ADD) == BITSPLIT_OK, "set_mode add");
-    bitsplit_ctx_reset_counters(ctx);
-    memset(Y->data, 0, ggml_nbytes(Y));
-    CHECK(bitsplit_eval_callback(Y, true, ctx) == true && Y->op == GGML_OP_MUL_MAT, "%s: add mode must observe", what);
-    CHECK(bitsplit_eval_callback(Y, false, ctx) == true, "%s: add mode continues the graph", what);
     reference(mt->ronly, K, N, x, n_cols, ref, A);
-    {
-        double ratio;
-        int64_t where;
-        CHECK(excess((const float *)Y->data, ref, A, N * n_cols, rel_tol(eff), 1e-5, &ratio, &where) <= 0,
-              "%s: add-mode result", what);
-        bitsplit_counters c;
-        bitsplit_ctx_get_counters(ctx, &c);
-        CHECK(c.n_add_products == 1 && c.n_products == 0 && c.n_errors == 0, "%s: add-mode counters", what);
-    }
-    /* the scheduler's copy of the weight for another backend ("CUDA0#name#0": llama.cpp's op
-     * offload computes a large batch of a CPU weight on the GPU) is the same weight: observed and
-     * corrected the same way; a name that only looks like one is not */
-    if (strlen(mt->r->name) + 9 < GGML_MAX_NAME) {
-        char copy[2 * GGML_MAX_NAME]; /* the names fit GGML_MAX_NAME (checked above) */
-        snprintf(copy, sizeof(copy), "CUDA0#%s#12", mt->r->name);
-        ggml_set_name(W, copy);
+    char copy[2 * GGML_MAX_NAME];
+    snprintf(copy, sizeof(copy), "CUDA0#%s#12", mt->r->name);
+    const bool copy_fits = strlen(copy) < GGML_MAX_NAME;
+    const char * const weight_names[] = {mt->r->name, copy};
+    for (int k = 0; k < (copy_fits ? 2 : 1); k++) {
+        const char * wn = weight_names[k];
+        ggml_set_name(W, wn);
         bitsplit_ctx_reset_counters(ctx);
         memset(Y->data, 0, ggml_nbytes(Y));
-        CHECK(bitsplit_eval_callback(Y, true, ctx) == true && bitsplit_eval_callback(Y, false, ctx) == true,
-              "%s: the copy %s is not observed", what, copy);
+        CHECK(bitsplit_eval_callback(Y, true, ctx) == true && Y->op == GGML_OP_MUL_MAT,
+              "%s: add mode must observe (weight '%s')", what, wn);
+        CHECK(bitsplit_eval_callback(Y, false, ctx) == true, "%s: add mode continues the graph (weight '%s')", what, wn);
         double ratio;
         int64_t where;
         CHECK(excess((const float *)Y->data, ref, A, N * n_cols, rel_tol(eff), 1e-5, &ratio, &where) <= 0,
-              "%s: add-mode result through the copy's name", what);
+              "%s: add-mode result (weight '%s')", what, wn);
         bitsplit_counters c;
         bitsplit_ctx_get_counters(ctx, &c);
-        CHECK(c.n_add_products == 1 && c.n_errors == 0, "%s: counters through the copy's name", what);
+        CHECK(c.n_add_products == 1 && c.n_products == 0 && c.n_errors == 0, "%s: add-mode counters (weight '%s')",
+              what, wn);
+    }
+    /* a name that only looks like a copy's is not one */
+    if (copy_fits) {
         static const char * const not_copies[] = {"CUDA0#%s#", "CUDA0#%s#1a", "%s#0", "#%s"};
         for (size_t i = 0; i < sizeof(not_copies) / sizeof(not_copies[0]); i++) {
             snprintf(copy, sizeof(copy), not_copies[i], mt->r->name);
             ggml_set_name(W, copy);
             CHECK(bitsplit_eval_callback(Y, true, ctx) == false, "%s: '%s' taken for a copy's name", what, copy);
         }
-        ggml_set_name(W, mt->r->name);
     }
+    ggml_set_name(W, mt->r->name);
     /* overlap: once the callback has seen that the node named "x.feed" is Y's input, it asks for
      * that node, starts R . x when it is computed and adds it when Y is */
     static int feed_id = 0;
@@ -1896,35 +1890,33 @@ static void test_thread_sizing(const model * m) {
         CHECK(false, "thread sizing: load: %s", err);
         return;
     }
-    {
-        CHECK(bitsplit_ctx_set_threads(ctx, 8) == BITSPLIT_OK, "thread sizing: 8 threads");
-        bs_job job;
-        memset(&job, 0, sizeof(job));
-        uint8_t dummy = 0;
-        job.r = &dummy;
-        job.r_row_bytes = 1024;
-        job.n_cols = 1;
-        const int64_t per = BS_THREAD_MIN_BYTES / 1024; /* rows that make one thread's share */
-        static const struct { int64_t rows; int cols; bool base; int want; } cases[] = {
-            {1, 1, false, 1}, {0, 1, false, 1}, {2, 1, false, 2}, {3, 1, false, 3}, {8, 1, false, 8},
-            {100, 1, false, 8}, {1, 5, false, 2}, {1, 13, false, 4}, {1, 64, false, 4}, {1, 1, true, 2},
-        };
-        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-            job.N = cases[i].rows * per;
-            job.n_cols = cases[i].cols;
-            job.w2 = cases[i].base ? &dummy : NULL;
-            job.w2_row_bytes = cases[i].base ? 1024 : 0;
-            const int got = bs_threads_for_min(ctx, &job, BS_THREAD_MIN_BYTES);
-            CHECK(got == cases[i].want, "thread sizing: %lld x %d KB rows (%d columns%s): %d threads, expected %d",
-                  (long long)job.N, (int)(job.r_row_bytes / 1024), cases[i].cols, cases[i].base ? ", with base" : "",
-                  got, cases[i].want);
-        }
-        CHECK(bitsplit_ctx_set_threads(ctx, 1) == BITSPLIT_OK, "thread sizing: 1 thread");
-        job.N = 100 * per;
-        CHECK(bs_threads_for_min(ctx, &job, BS_THREAD_MIN_BYTES) == 1, "thread sizing: never more than the context's threads");
-        CHECK(bitsplit_ctx_set_threads(ctx, 8) == BITSPLIT_OK && bs_threads_for_min(ctx, &job, 0) == 8,
-              "thread sizing: 0 bytes per thread means every thread");
+    CHECK(bitsplit_ctx_set_threads(ctx, 8) == BITSPLIT_OK, "thread sizing: 8 threads");
+    bs_job job;
+    memset(&job, 0, sizeof(job));
+    uint8_t dummy = 0;
+    job.r = &dummy;
+    job.r_row_bytes = 1024;
+    job.n_cols = 1;
+    const int64_t per = BS_THREAD_MIN_BYTES / 1024; /* rows that make one thread's share */
+    static const struct { int64_t rows; int cols; bool base; int want; } cases[] = {
+        {1, 1, false, 1}, {0, 1, false, 1}, {2, 1, false, 2}, {3, 1, false, 3}, {8, 1, false, 8},
+        {100, 1, false, 8}, {1, 5, false, 2}, {1, 13, false, 4}, {1, 64, false, 4}, {1, 1, true, 2},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        job.N = cases[i].rows * per;
+        job.n_cols = cases[i].cols;
+        job.w2 = cases[i].base ? &dummy : NULL;
+        job.w2_row_bytes = cases[i].base ? 1024 : 0;
+        const int got = bs_threads_for_min(ctx, &job, BS_THREAD_MIN_BYTES);
+        CHECK(got == cases[i].want, "thread sizing: %lld x %d KB rows (%d columns%s): %d threads, expected %d",
+              (long long)job.N, (int)(job.r_row_bytes / 1024), cases[i].cols, cases[i].base ? ", with base" : "",
+              got, cases[i].want);
     }
+    CHECK(bitsplit_ctx_set_threads(ctx, 1) == BITSPLIT_OK, "thread sizing: 1 thread");
+    job.N = 100 * per;
+    CHECK(bs_threads_for_min(ctx, &job, BS_THREAD_MIN_BYTES) == 1, "thread sizing: never more than the context's threads");
+    CHECK(bitsplit_ctx_set_threads(ctx, 8) == BITSPLIT_OK && bs_threads_for_min(ctx, &job, 0) == 8,
+          "thread sizing: 0 bytes per thread means every thread");
     bitsplit_ctx_free(ctx);
 }
 
