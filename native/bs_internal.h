@@ -161,6 +161,7 @@ struct bitsplit_ctx {
 
     /* add mode and bitsplit_ctx_matmul */
     int n_threads;
+    int64_t thread_min_bytes; /* weight bytes per pool thread (BITSPLIT_THREAD_MIN_KB, read at load) */
     bs_pool * pool;
     bs_scratch host_x, host_y, host_d;
     /* add mode: R . x started when its input is computed (overlap.c) */
@@ -201,6 +202,9 @@ void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t r
 void bs_job_columns(bs_job * job, const struct bitsplit_ctx * ctx, const float * x, int64_t n_cols, float * y);
 /* a whole product on the library's own pool (add mode, bitsplit_ctx_matmul) */
 int bs_run_on_pool(struct bitsplit_ctx * ctx, bs_job * job);
+/* BITSPLIT_THREAD_MIN_KB in bytes (unset: BS_THREAD_MIN_BYTES); false for a value that is not a
+ * non-negative whole number of KB */
+bool bs_thread_min_bytes(int64_t * out);
 /* the threads of the pool a product runs on (bs_run_on_pool): fewer for small products */
 int bs_threads_for(const struct bitsplit_ctx * ctx, const bs_job * job);
 /* the same for a given minimum of weight bytes per thread (0: every thread) */

@@ -317,6 +317,11 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
                       "avx512 or amx", getenv("BITSPLIT_MAX_ISA"));
             goto fail;
         }
+        if (!bs_thread_min_bytes(&ctx->thread_min_bytes)) {
+            st = fail(err, err_size, BITSPLIT_E_INVALID, "BITSPLIT_THREAD_MIN_KB='%s': expected a whole number of "
+                      "KB, 0 or more", getenv("BITSPLIT_THREAD_MIN_KB"));
+            goto fail;
+        }
         const char * env = getenv("BITSPLIT_KERNEL");
         if (env != NULL && env[0] != '\0') {
             ctx->pinned = bs_family_named(env);

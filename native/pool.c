@@ -291,22 +291,25 @@ static void pool_job_fn(void * p, int ith, int nth) {
  * thread: one that must first be woken, or that the OS has put behind another process, costs tens
  * of microseconds to milliseconds, so each thread gets at least BS_THREAD_MIN_BYTES of work
  * (weight bytes, counted up to 4x as the columns grow). Rows are independent, so the result does
- * not depend on the count. BITSPLIT_THREAD_MIN_KB overrides the default (0: every thread). */
-static int64_t thread_min_bytes(void) {
-    static _Atomic int64_t cached = -1;
-    int64_t v = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (v < 0) {
-        const char * env = getenv("BITSPLIT_THREAD_MIN_KB");
-        char * end = NULL;
-        const long long kb = env != NULL && env[0] != '\0' ? strtoll(env, &end, 10) : -1;
-        v = kb >= 0 && kb < (1LL << 40) && end != NULL && *end == '\0' ? (int64_t)kb * 1024 : BS_THREAD_MIN_BYTES;
-        atomic_store_explicit(&cached, v, memory_order_relaxed);
+ * not depend on the count. BITSPLIT_THREAD_MIN_KB overrides the default (0: every thread; read
+ * when a residual is loaded, a bad value refused there). */
+bool bs_thread_min_bytes(int64_t * out) {
+    const char * env = getenv("BITSPLIT_THREAD_MIN_KB");
+    *out = BS_THREAD_MIN_BYTES;
+    if (env == NULL || env[0] == '\0') {
+        return true;
     }
-    return v;
+    char * end = NULL;
+    const long long kb = strtoll(env, &end, 10);
+    if (end == env || *end != '\0' || kb < 0 || kb >= (1LL << 40)) {
+        return false;
+    }
+    *out = (int64_t)kb * 1024;
+    return true;
 }
 
 int bs_threads_for(const bitsplit_ctx * ctx, const bs_job * job) {
-    return bs_threads_for_min(ctx, job, thread_min_bytes());
+    return bs_threads_for_min(ctx, job, ctx->thread_min_bytes);
 }
 
 int bs_threads_for_min(const bitsplit_ctx * ctx, const bs_job * job, int64_t min_bytes) {

@@ -261,3 +261,13 @@ def test_decode_kernel_follows_the_policy(tiny_split):
         for batch in (1, 2, 5, 17, 64):
             assert res.choose_decode_kernel(batch) == policy.kernel_for_batch(batch)
             assert res.kernel == policy.kernel_for_batch(batch)
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1", "12kb"])
+def test_bad_thread_minimum_is_refused(tiny_split, bad):
+    """BITSPLIT_THREAD_MIN_KB (how much work a pool thread is worth) that is not a whole number of
+    KB is an error naming the value, as a misspelt cap is."""
+    code = f"from bitsplit_llama.native.residual import Residual; Residual({str(tiny_split)!r})"
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "BITSPLIT_THREAD_MIN_KB": bad},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and f"BITSPLIT_THREAD_MIN_KB='{bad}'" in p.stderr
