@@ -194,6 +194,9 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
             const __m256i e1 = _mm256_loadu_si256((const __m256i *)d1);
             a->ih = _mm256_add_epi32(a->ih, _mm256_madd_epi16(_mm256_maddubs_epi16(u, e1), G));
         }
+        /* opaque to the compiler: integer sums may be reassociated, and it would keep every group's
+         * products live to add them as a tree at the end of the unit, spilling them (measured) */
+        __asm__("" : "+x"(a->il), "+x"(a->ih));
         return;
     }
     __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, e0), _mm256_set1_epi16(1));
@@ -250,6 +253,21 @@ INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
     return a;
 }
 
+/* group g of one unit applied to ncb columns (base half first) */
+INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr, unit_buf * hb,
+                     unit_buf * hr, int g, const colp * a, int ncb, sums * ab, sums * ar, bool coarse) {
+    __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
+    __m256 D = _mm256_setzero_ps();
+    if (bt != T_NONE) {
+        decode_group(bt, bp, Sb, g, hb, &u, &q, &G, &D);
+        for (int j = 0; j < ncb; j++) apply_group(bt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ab[j]);
+    }
+    if (rt != T_NONE) {
+        decode_group(rt, rp, Sr, g, hr, &u, &q, &G, &D);
+        for (int j = 0; j < ncb; j++) apply_group(rt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ar[j]);
+    }
+}
+
 /* One unit applied to columns c0 .. c0 + ncb - 1 (ncb = 1 or 2, a constant where inlined), each
  * group decoded in registers and applied to every column at once. */
 INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
@@ -262,17 +280,16 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
         sums_init(&ab[j]);
         sums_init(&ar[j]);
     }
-    _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-        __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
-        __m256 D = _mm256_setzero_ps();
-        if (bt != T_NONE) {
-            decode_group(bt, bp, Sb, g, hb, &u, &q, &G, &D);
-            for (int j = 0; j < ncb; j++) apply_group(bt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ab[j]);
+    if (ng == 8) {
+        /* two halves of the unit, not unrolled: unrolled whole, the compiler hoists the eight
+         * groups' codes and scales and spills them (a third of the time at 2 columns, measured) */
+        _Pragma("GCC unroll 1") for (int n = 0; n < 2; n++) {
+            _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+                fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 4 * n + i, a, ncb, ab, ar, coarse);
+            }
         }
-        if (rt != T_NONE) {
-            decode_group(rt, rp, Sr, g, hr, &u, &q, &G, &D);
-            for (int j = 0; j < ncb; j++) apply_group(rt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ar[j]);
-        }
+    } else {
+        fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 0, a, ncb, ab, ar, coarse);
     }
     for (int j = 0; j < ncb; j++) {
         __m256 v = _mm256_setzero_ps();
