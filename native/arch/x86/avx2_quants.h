@@ -99,6 +99,10 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
         default:
             break; /* block-32 types read their scale per group */
     }
+    /* the scales are read back from memory, one broadcast load each: kept in registers, the
+     * compiler extracted each lane with two shuffles (vpermilps + vperm2f128), four per group of
+     * each half, on the vector ALUs that the decoding needs */
+    __asm__ volatile("" ::: "memory");
 }
 
 /* the codes of group g (values 32g .. 32g + 31 of the unit b) */
