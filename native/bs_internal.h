@@ -89,7 +89,7 @@ typedef struct bs_kernel_family {
 
 /* kernels.c: the kernel policy, the one place that decides which family computes a product */
 #define BS_MAX_FAMILIES 8
-#define BS_SMALL_BATCH 4         /* up to here the per-column kernels (vnni-int24) come first */
+#define BS_SMALL_BATCH 6         /* up to here the per-column kernels come first (each to its max_cols) */
 #define BS_DECODE_COLS 32        /* a pinned family serves passes up to this many columns */
 /* the cap in force: min(BITSPLIT_MAX_ISA, none); false (and *cap = generic) for a bad value */
 bool bs_isa_cap(int * cap);

@@ -155,8 +155,9 @@ extern const bs_kernel_family bs_family_neon_f32;    /* arch/arm/kernels_neon.c 
 #endif
 
 /* Small batches (decode steps, 2-row verify passes): the per-column integer kernel is the fastest
- * where it exists (its cost grows with the batch; measured crossover with the tile kernels at 4-5
- * columns on a 2-core Xeon). Larger batches (trees, prompts, evaluation): the tile kernels, whose
+ * where it exists, each up to its max_cols (its cost grows with the batch; vnni-int24's crossover
+ * with the tile kernels is 4-5 columns on a 2-core Xeon, avx2-int16's with avx2-f32 6-7 columns on
+ * a 2-core Zen 3). Larger batches (trees, prompts, evaluation): the tile kernels, whose
  * cost barely grows with the batch. Then the plain SIMD families of the architecture (on AVX2,
  * avx2-int16 up to its max_cols, then avx2-f32), then generic. */
 static const bs_kernel_family * const order_small[] = {

@@ -205,18 +205,18 @@ def test_isa_cap_limits_the_families(cap):
 
 
 def test_avx2_policy_by_batch():
-    """On AVX2 alone, the integer family takes the decode-sized batches (1-4 columns, where it reads
+    """On AVX2 alone, the integer family takes the decode-sized batches (1-6 columns, where it reads
     weights at memory speed) and avx2-f32 the larger ones (where avx2-int16's multiplies cost more
     than f32 FMAs), each measured crossover living in C only."""
     if "avx2-f32" not in policy.families():
         pytest.skip(f"no AVX2 here (families: {', '.join(policy.families())})")
     code = "import json; from bitsplit_llama.native import policy; " \
-           "print(json.dumps([policy.kernel_for_batch(b) for b in (1, 2, 4, 5, 16, 512)]))"
+           "print(json.dumps([policy.kernel_for_batch(b) for b in (1, 2, 4, 6, 7, 16, 512)]))"
     env = {**os.environ, "BITSPLIT_MAX_ISA": "avx2"}
     env.pop("BITSPLIT_KERNEL", None)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout.strip().splitlines()[-1]) == ["avx2-int16"] * 3 + ["avx2-f32"] * 3
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == ["avx2-int16"] * 4 + ["avx2-f32"] * 3
 
 
 def test_bad_isa_cap_is_refused(tiny_split):

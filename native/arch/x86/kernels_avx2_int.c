@@ -44,7 +44,7 @@
 #define XMAX2 32512 /* 255*127 + 127: two base-255 digits in [-127, 127] */
 #define XMAX1 127   /* one digit (the fast drafter) */
 #define PF_AHEAD 1024  /* bytes of each row read ahead of the unit being computed */
-#define FUSED_COLS 4   /* up to here each pair of columns decodes the weights again, in registers */
+#define FUSED_COLS 6   /* up to here each pair of columns decodes the weights again, in registers */
 
 /* the same jobs avx2-f32 takes (the types a split holds, rows a multiple of their block) */
 static bool int16_supports(const bs_job * job) { return bs_f32_family_supports(job); }
@@ -383,12 +383,13 @@ const bs_kernel_family bs_family_avx2_int16 = {
      * Zen 3 (python bench/draft_speed.py SPLIT --repeat 9): native/ggml time 1.26 at 1 column, 1.00
      * at 2, 1.07 at 3, 0.92 at 4 */
     4,
-    /* preferred up to 4 columns: per column it multiplies with vpmaddubsw/vpmaddwd, 8 per 32
+    /* preferred up to 6 columns: per column it multiplies with vpmaddubsw/vpmaddwd, 8 per 32
      * weights of W2 + R, against avx2-f32's 4 FMAs on the summed weights, but decodes the weights
-     * for much less. Measured on a 2-core Zen 3, Qwen2.5-Coder-1.5B q6_k split, W2 + R (python
-     * bench/residual_speed.py SPLIT --batches 1,2,3,4,5 --kernel avx2-int16,avx2-f32): time
-     * f32/int16 2.12 at 1 column, 1.41 at 2, 1.10 at 3, 1.04 at 4, 0.94 at 5 */
-    4,
+     * for much less. Measured on a 2-core Zen 3, Qwen2.5-Coder-1.5B q6_k split, W2 + R, both
+     * families in one process, interleaved, 2 threads: time int16/f32 0.73 at 4 columns, 0.83-0.91
+     * at 5, 0.90-0.96 at 6, 0.99 at 7, 1.12 at 8 (after the spill fix; before it the crossover was
+     * 4: f32/int16 2.12 at 1 column, 1.41 at 2, 1.10 at 3, 1.04 at 4, 0.94 at 5) */
+    6,
     .exact_weights = true,
 };
 

@@ -359,6 +359,9 @@ const bs_kernel_family bs_family_vnni_int24 = {
     /* drafting: measured on Qwen2.5-Coder-1.5B's Q2_K base, 2 cores (python bench/draft_speed.py
      * SPLIT): native/ggml time 1.22 at 1 column, 0.86 at 2, 0.65 at 4 */
     2,
+    /* preferred up to 4 columns: measured crossover with the tile kernels (amx-bf16) at 4-5 columns
+     * on a 2-core Xeon */
+    4,
     .exact_weights = true,
 };
 
