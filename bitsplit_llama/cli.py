@@ -101,17 +101,23 @@ def split(
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the Q2_K base (llama-imatrix output)."),
     threads: Optional[int] = THREADS,
     force: bool = typer.Option(False, "--force", help="Replace base.gguf/residual.gguf already in the directory."),
+    keep_layers: Optional[int] = typer.Option(None, "--keep-layers", help="Leave this many layers whole in the base "
+                                              "(no residual; the source's type, Q8_0 if wider): first and last alternately."),
+    vram: Optional[float] = typer.Option(None, "--vram", help="GPU memory in GB: leave whole as many layers as fit "
+                                         "beside the Q2_K base, the KV cache of --n-ctx tokens and a compute reserve."),
+    n_ctx: int = typer.Option(4096, "--n-ctx", help="Context the --vram budget keeps KV cache for."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON line."),
 ) -> None:
-    """Split SRC into a Q2_K base (for the GPU) and a residual (for system RAM)."""
+    """Split SRC into a Q2_K base (for the GPU) and a residual (for system RAM); with --keep-layers or
+    --vram, some layers stay whole in the base instead (default: every layer is split)."""
     from .tools.progress import make_progress
     from .formats.split import install_sigterm_handler, split_model
 
     restore = install_sigterm_handler()
     try:
         rep = split_model(src, out, residual=residual, imatrix=imatrix, threads=threads, force=force,
-                          progress=make_progress(quiet or as_json))
+                          progress=make_progress(quiet or as_json), keep_layers=keep_layers, vram_gb=vram, n_ctx=n_ctx)
     finally:
         restore()
     if as_json:
@@ -124,6 +130,18 @@ def split(
     print(f"  residual.gguf  {_fmt_bytes(rep.residual_bytes):>10}  {rep.residual_bpw:5.2f} bpw  {_types(rep.residual_types)}")
     print(f"  {len(rep.residual_tensors)} residual tensors, {rep.exact_tensors} kept exact by the base, "
           f"{rep.fallbacks} width fallbacks")
+    print(f"  placement: {_placement(rep.kept_layers, rep.n_layers)}")
+    if rep.vram_budget is not None:
+        b = rep.vram_budget
+        print(f"  --vram {_fmt_bytes(b['vram'])}: Q2_K base {_fmt_bytes(b['base'])} + KV cache {_fmt_bytes(b['kv_cache'])}"
+              f" (--n-ctx {n_ctx}) + reserve {_fmt_bytes(b['reserve'])}"
+              + ("" if b["fits"] else ": the base alone does NOT fit; every layer is split"))
+
+
+def _placement(kept: list[int], n_layers: int) -> str:
+    if not kept:
+        return f"every layer split ({n_layers})"
+    return f"{len(kept)} of {n_layers} layers whole in base.gguf ({', '.join(map(str, kept))}), {n_layers - len(kept)} split"
 
 
 @app.command()
@@ -152,6 +170,7 @@ def info(
     print(f"  base.gguf      {i.base_tensors:4d} tensors  {_fmt_bytes(i.base_bytes):>10}  {i.base_bpw:5.2f} bpw  {_types(i.base_types)}")
     print(f"  residual.gguf  {i.residual_tensors:4d} tensors  {_fmt_bytes(i.residual_bytes):>10}  {i.residual_bpw:5.2f} bpw  {_types(i.residual_types)}")
     print(f"  residual type {i.residual_type}, {i.fallbacks} width fallbacks")
+    print(f"  placement: {_placement(i.kept_layers, i.n_layers)}")
     print(f"  base fingerprint: {'matches' if i.fingerprint_ok else 'DOES NOT MATCH (residual made from another base)'}")
     if v is not None:
         if not v.recorded:

@@ -404,3 +404,109 @@ def test_info_verify_names_the_tensor_whose_data_changed(tiny_split, tmp_path, c
     assert main(["info", str(d), "--verify"]) == 1
     out = capsys.readouterr().out
     assert "2 of" in out and "do NOT match their checksum" in out
+
+
+# --- whole layers (--keep-layers / --vram) ------------------------------------------------------
+
+def _layers_with_residual(out: Path) -> set[int]:
+    with GGUFFile(out / "residual.gguf") as r:
+        return {int(t.name.split(".")[1]) for t in r.tensors if t.name.startswith("blk.")}
+
+
+def test_keep_layers_quantized_source_kept_as_is(tmp_path):
+    """A kept layer of a Q8_0 source is the source's own bytes in the base, with no residual; the
+    other layers are split as usual; info reports the placement."""
+    src = write_tiny_llama(tmp_path / "tiny-q8.gguf", qtype=int(QT.Q8_0))
+    rep = split_model(src, tmp_path / "out", residual="q8_0", threads=2, keep_layers=1)
+    assert rep.kept_layers == [0] and rep.n_layers == 2
+    assert _layers_with_residual(tmp_path / "out") == {1}
+    with GGUFFile(src) as s, GGUFFile(tmp_path / "out" / "base.gguf") as b:
+        kept = [t for t in b.tensors if t.name.startswith("blk.0.")]
+        assert kept
+        for bt in kept:
+            st = s.tensor(bt.name)
+            assert bt.ggml_type == st.ggml_type
+            assert np.array_equal(b.read_rows(bt, 0, bt.n_rows), s.read_rows(st, 0, st.n_rows)), bt.name
+        # the split layer is still llama.cpp's Q2_K mix, not the source
+        assert b.tensor("blk.1.ffn_up.weight").ggml_type != QT.Q8_0
+    assert assert_reconstructs(src, tmp_path / "out") > 0
+    info = split_info(tmp_path / "out")
+    assert info.kept_layers == [0] and info.n_layers == 2
+    assert info.to_json()["placement"] == {"layers": 2, "kept_whole": [0]}
+
+
+def test_keep_layers_wide_source_becomes_q8_0_and_verifier_stays_exact(tmp_path):
+    """An F32 source's kept layer is stored as Q8_0 (no residual); the verifier still equals the
+    source within Q8_0's rounding of that layer, and the base loads in stock llama.cpp."""
+    src = write_tiny_llama(tmp_path / "tiny.gguf")
+    out = tmp_path / "out"
+    rep = split_model(src, out, residual="q8_0", threads=2, keep_layers=2)
+    assert rep.kept_layers == [0, 1] and _layers_with_residual(out) == set()
+    with GGUFFile(src) as s, GGUFFile(out / "base.gguf") as b:
+        bt = b.tensor("blk.1.attn_q.weight")
+        assert bt.ggml_type == QT.Q8_0
+        st = s.tensor(bt.name)
+        assert np.array_equal(b.read_rows(bt, 0, bt.n_rows), _ggml.quantize_rows(full(s, bt.name), QT.Q8_0))
+        assert b.tensor("blk.1.attn_norm.weight").ggml_type == QT.F32  # 1-D tensors as they were
+    from bitsplit_llama.runtime.stock import stock_llama
+
+    llm = stock_llama(out / "base.gguf", n_ctx=128)
+    try:
+        assert llm.create_completion("the cat is", max_tokens=4, temperature=0.0)["usage"]["completion_tokens"] >= 1
+    finally:
+        llm.close()
+
+
+def test_keep_layers_and_vram_options(tiny_f32, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(InvalidOptionError, match="--keep-layers 3: .* has 2 layers"):
+        split_model(tiny_f32, out, keep_layers=3)
+    with pytest.raises(InvalidOptionError, match="give one"):
+        split_model(tiny_f32, out, keep_layers=1, vram_gb=24)
+    with pytest.raises(InvalidOptionError, match="--keep-layers: -1"):
+        split_model(tiny_f32, out, keep_layers=-1)
+    with pytest.raises(InvalidOptionError, match="--vram: 0"):
+        split_model(tiny_f32, out, vram_gb=0)
+    with pytest.raises(InvalidOptionError, match="--n-ctx: 0"):
+        split_model(tiny_f32, out, vram_gb=8, n_ctx=0)
+    _no_outputs(out)
+
+
+def test_vram_budget_chooses_the_layers(tiny_f32, tmp_path):
+    """--vram: a budget smaller than the base splits every layer (and says the base does not fit);
+    a large one keeps every layer; in between, layers in the order first, last, second..."""
+    from bitsplit_llama.formats import placement
+
+    assert placement.keep_order(5) == [0, 4, 1, 3, 2]
+    small = split_model(tiny_f32, tmp_path / "small", threads=2, vram_gb=0.001)
+    assert small.kept_layers == [] and small.vram_budget["fits"] is False
+    assert _layers_with_residual(tmp_path / "small") == {0, 1}
+    big = split_model(tiny_f32, tmp_path / "big", threads=2, vram_gb=1000)
+    assert big.kept_layers == [0, 1] and big.vram_budget["fits"] is True
+    assert _layers_with_residual(tmp_path / "big") == set()
+    # exactly the base + KV + reserve + one layer's extra bytes: layer 0 only
+    with GGUFFile(tiny_f32) as s, GGUFFile(tmp_path / "small" / "base.gguf") as b:
+        one = sum(max(0, placement.kept_bytes(s.tensor(t.name)) - t.nbytes) for t in b.tensors
+                  if t.name.startswith("blk.0."))
+        need = sum(t.nbytes for t in b.tensors) + placement.kv_cache_bytes(s, 4096) + placement.COMPUTE_RESERVE
+        layers, terms = placement.layers_for_vram(s, b, need + one, 4096)
+    assert layers == [0] and terms["left"] == 0
+
+
+def test_cli_split_keep_layers_reports_placement(tiny_f32, tmp_path):
+    from typer.testing import CliRunner
+
+    from bitsplit_llama.cli import app
+
+    res = CliRunner().invoke(app, ["split", str(tiny_f32), "-o", str(tmp_path / "out"), "--keep-layers", "1", "-q"])
+    assert res.exit_code == 0, res.output
+    assert "placement: 1 of 2 layers whole in base.gguf (0), 1 split" in res.output
+    res = CliRunner().invoke(app, ["info", str(tmp_path / "out")])
+    assert res.exit_code == 0 and "placement: 1 of 2 layers whole in base.gguf (0), 1 split" in res.output
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "bitsplit_llama.cli", "split", str(tiny_f32), "-o", str(tmp_path / "o2"),
+                           "--keep-layers", "1", "--vram", "8"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "give one" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    _no_outputs(tmp_path / "o2")

@@ -218,6 +218,7 @@ class GGUFFile:
             key = cur.string(f"key #{i}")
             vtype = cur.u32(f"type of key '{key}'")
             self.kv[key] = cur.value(vtype, f"value of key '{key}'")
+        self.kv_end = cur.pos  # the key/value section is bytes [24, kv_end) (GGUF v2/v3 header: 24 bytes)
         align = self.kv.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(align, int) or align <= 0 or align & (align - 1) or align > 1 << 20:
             raise GGUFFormatError(f"{self.path}: general.alignment is {align!r}, expected a power of two")

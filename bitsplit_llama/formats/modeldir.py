@@ -10,15 +10,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gguf.constants import GGMLQuantizationType as QT
 
 from ..errors import GGUFFormatError, InputError, MismatchError, UnsupportedModelError
 from .gguf_file import GGUFFile, fingerprint, tensor_checksum, type_name
-from .split import (BASE_CHECKSUMS_KEY, BASE_NAME, FORMAT_VERSION, RESIDUAL_CHECKSUMS_KEY, RESIDUAL_NAME,
-                    BitsPerWeight)
+from .placement import n_layers
+from .split import (BASE_CHECKSUMS_KEY, BASE_NAME, FORMAT_VERSION, KEPT_LAYERS_KEY, RESIDUAL_CHECKSUMS_KEY,
+                    RESIDUAL_NAME, BitsPerWeight)
 
 #: residual tensor types the verifier knows how to apply
 SUPPORTED_RESIDUAL_TYPES = {int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K), int(QT.Q8_0), int(QT.F16), int(QT.F32)}
@@ -42,6 +43,8 @@ class SplitInfo(BitsPerWeight):
     fingerprint_ok: bool
     source_file: str
     base_fingerprint: str
+    n_layers: int = 0
+    kept_layers: list[int] = field(default_factory=list)  # layers whole in base.gguf, no residual
 
     def to_json(self) -> dict:
         return {
@@ -54,6 +57,7 @@ class SplitInfo(BitsPerWeight):
             "residual_type": self.residual_type, "fallbacks": self.fallbacks,
             "fingerprint_ok": self.fingerprint_ok, "source_file": self.source_file,
             "base_fingerprint": self.base_fingerprint,
+            "placement": {"layers": self.n_layers, "kept_whole": self.kept_layers},
         }
 
 
@@ -139,7 +143,17 @@ def split_info(model_dir: str | os.PathLike[str]) -> SplitInfo:
             fallbacks=int(res.kv.get("bitsplit.fallback_count", 0)),
             fingerprint_ok=fp_ok, source_file=str(res.kv.get("bitsplit.source.file", "?")),
             base_fingerprint=str(res.kv.get("bitsplit.base_fingerprint", "")),
+            n_layers=n_layers(base), kept_layers=_kept_layers(res),
         )
+
+
+def _kept_layers(res: GGUFFile) -> list[int]:
+    """The layers the split left whole (none for splits made before it recorded them)."""
+    value = res.kv.get(KEPT_LAYERS_KEY, "")
+    try:
+        return sorted(int(x) for x in str(value).split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"{res.path}: {KEPT_LAYERS_KEY} is {value!r}, not a list of layer numbers") from None
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
 
-from . import _ggml
+from . import _ggml, placement
 from ..errors import InputError, InvalidOptionError, OutputError, UnsupportedModelError
 from .gguf_file import (GGUFFile, StreamingGGUFWriter, TensorInfo, fingerprint, iter_row_chunks, tensor_checksum,
                         type_name, write_error)
@@ -37,6 +37,7 @@ from .gguf_file import (GGUFFile, StreamingGGUFWriter, TensorInfo, fingerprint, 
 FORMAT_VERSION = 1
 RESIDUAL_CHECKSUMS_KEY = "bitsplit.checksums.crc32"   # 8 hex digits per residual tensor, in file order
 BASE_CHECKSUMS_KEY = "bitsplit.base_checksums.crc32"  # the same for base.gguf's tensors
+KEPT_LAYERS_KEY = "bitsplit.kept_layers"              # layers kept whole in base.gguf ("0,27,1"; "" if none)
 BASE_NAME = "base.gguf"
 RESIDUAL_NAME = "residual.gguf"
 
@@ -108,6 +109,9 @@ class SplitReport(BitsPerWeight):
     fallbacks: int
     exact_tensors: int
     residual_tensors: list[ResidualTensor] = field(default_factory=list)
+    kept_layers: list[int] = field(default_factory=list)
+    n_layers: int = 0
+    vram_budget: dict | None = None
 
     def to_json(self) -> dict:
         return {
@@ -120,6 +124,7 @@ class SplitReport(BitsPerWeight):
             "base_bpw": round(self.base_bpw, 4), "residual_bpw": round(self.residual_bpw, 4),
             "base_types": self.base_types, "residual_types": self.residual_types,
             "fallbacks": self.fallbacks, "exact_tensors": self.exact_tensors,
+            "placement": {"layers": self.n_layers, "kept_whole": self.kept_layers, "vram_budget": self.vram_budget},
         }
 
 
@@ -254,8 +259,10 @@ def _quantizer_reason(tail: list[str], rc: int) -> str:
     return f"the quantizer exited with status {rc}"
 
 
-def _plan_residuals(src: GGUFFile, base: GGUFFile, wanted: int) -> tuple[list[ResidualTensor], int]:
-    """Which base tensors need a residual, and of which type. Returns (plan, exact_count)."""
+def _plan_residuals(src: GGUFFile, base: GGUFFile, wanted: int,
+                    kept: frozenset[str] = frozenset()) -> tuple[list[ResidualTensor], int]:
+    """Which base tensors need a residual, and of which type (none for those of layers kept whole,
+    ``kept``). Returns (plan, exact_count)."""
     plan: list[ResidualTensor] = []
     exact = 0
     for bt in base.tensors:
@@ -266,7 +273,7 @@ def _plan_residuals(src: GGUFFile, base: GGUFFile, wanted: int) -> tuple[list[Re
             raise UnsupportedModelError(
                 f"{base.path}: tensor '{bt.name}' is {bt.shape_str()} but the source has {st.shape_str()}"
             )
-        if st.ggml_type == bt.ggml_type and _same_bytes(src, st, base, bt):
+        if bt.name in kept or (st.ggml_type == bt.ggml_type and _same_bytes(src, st, base, bt)):
             exact += 1
             continue
         rtype = residual_type_for(bt.n_per_row, wanted)
@@ -304,8 +311,15 @@ def split_model(
     force: bool = False,
     progress: Progress | None = None,
     base_ftype: str = "q2_k",
+    keep_layers: int | None = None,
+    vram_gb: float | None = None,
+    n_ctx: int = 4096,
 ) -> SplitReport:
     """Split ``source`` into ``out_dir/base.gguf`` + ``out_dir/residual.gguf``; see the module doc.
+
+    ``keep_layers`` (a count) or ``vram_gb`` (a GPU's memory, with ``n_ctx`` tokens of KV cache)
+    leave that many layers whole in the base, with no residual (:mod:`.placement`); neither: every
+    layer is split.
 
     Raises :class:`InputError` subclasses for unusable inputs and :class:`OutputError` when the
     output cannot be written; in every failure case no ``base.gguf``/``residual.gguf`` is left that
@@ -319,6 +333,7 @@ def split_model(
     threads = _ggml.cpu_count() if threads is None else threads
     if not isinstance(threads, int) or threads < 1:
         raise InvalidOptionError(f"--threads: {threads!r} is not a positive integer")
+    placement.check_options(keep_layers, vram_gb, n_ctx)
     imatrix_path = Path(imatrix) if imatrix else None
     if imatrix_path is not None:
         from .imatrix import load_imatrix
@@ -327,6 +342,9 @@ def split_model(
 
     with GGUFFile(source, role="source") as src:
         _check_source(src)
+        n_layer = placement.n_layers(src)
+        if keep_layers is not None and keep_layers > n_layer:
+            raise InvalidOptionError(f"--keep-layers {keep_layers}: {source} has {n_layer} layers")
         _prepare_out_dir(out_dir, force)
         n_params = sum(t.n_elements for t in src.tensors)
         # Q2_K mix ~3.3 bpw, residual up to 8.5 bpw (Q8_0): refuse early rather than fail half-way
@@ -335,16 +353,32 @@ def split_model(
         tag = f".bitsplit-{os.getpid()}.tmp"
         base_tmp = out_dir / (".base" + tag)
         res_tmp = out_dir / (".residual" + tag)
+        whole_tmp = out_dir / (".whole" + tag)
+        layers: list[int] = []
+        budget: dict | None = None
         try:
             if progress:
                 progress.phase("base: llama.cpp quantize", len(src.tensors), 0)
             t_base = time.monotonic()
             child_rss = quantize_model(source, base_tmp, base_ftype, threads, imatrix_path, progress)
+            kept: frozenset[str] = frozenset()
+            if keep_layers or vram_gb is not None:
+                with GGUFFile(base_tmp, role="base") as qb:
+                    if vram_gb is not None:
+                        layers, budget = placement.layers_for_vram(src, qb, int(vram_gb * 1e9), n_ctx)
+                    else:
+                        layers = placement.keep_order(n_layer)[:keep_layers]
+                    kept = frozenset(placement.kept_tensors(src, qb, layers))
+                if kept:
+                    if progress:
+                        progress.phase(f"base: {len(layers)} of {n_layer} layers whole", len(kept), 0)
+                    placement.write_base_with_layers(src, base_tmp, whole_tmp, set(kept))
+                    os.replace(whole_tmp, base_tmp)
             base_seconds = time.monotonic() - t_base
 
             t_res = time.monotonic()
             plan, exact = _make_residual(src, base_tmp, res_tmp, wanted, residual.lower(), base_ftype, imatrix_path,
-                                         threads, progress)
+                                         threads, progress, kept, sorted(layers))
             with GGUFFile(base_tmp, role="base") as base:
                 base_types = dict(Counter(t.type_name for t in base.tensors))
                 base_bytes = sum(t.nbytes for t in base.tensors)
@@ -357,7 +391,7 @@ def split_model(
         except OSError as exc:
             raise write_error(out_dir, exc) from None
         finally:
-            for p in (base_tmp, res_tmp):
+            for p in (base_tmp, res_tmp, whole_tmp):
                 p.unlink(missing_ok=True)
             if progress:
                 progress.close()
@@ -372,17 +406,19 @@ def split_model(
         residual_bytes=residual_bytes, base_types=base_types,
         residual_types=dict(Counter(type_name(r.residual_type) for r in plan)),
         fallbacks=sum(r.fallback for r in plan), exact_tensors=exact, residual_tensors=plan,
+        kept_layers=sorted(layers), n_layers=n_layer, vram_budget=budget,
     )
 
 
 def _make_residual(src: GGUFFile, base_path: Path, res_path: Path, wanted: int, residual: str, base_ftype: str,
-                   imatrix: Path | None, threads: int, progress: Progress | None) -> tuple[list[ResidualTensor], int]:
+                   imatrix: Path | None, threads: int, progress: Progress | None, kept: frozenset[str] = frozenset(),
+                   kept_layers: list[int] | None = None) -> tuple[list[ResidualTensor], int]:
     with GGUFFile(base_path, role="base") as base:
-        plan, exact = _plan_residuals(src, base, wanted)
+        plan, exact = _plan_residuals(src, base, wanted, kept)
         res_bytes_est = sum(_ggml.row_size(r.residual_type, r.shape[0]) * math.prod(r.shape[1:]) for r in plan)
         _check_space(res_path.parent, res_bytes_est + (16 << 20))
         _write_residual(res_path, src, base, plan, residual, fingerprint(base), fingerprint(src), base_ftype,
-                        imatrix, threads, progress)
+                        imatrix, threads, progress, kept_layers or [])
     return plan, exact
 
 
@@ -411,7 +447,7 @@ def _fsync_dir(d: Path) -> None:
 
 def _write_residual(path: Path, src: GGUFFile, base: GGUFFile, plan: list[ResidualTensor], residual: str,
                     base_fp: str, src_fp: str, base_ftype: str, imatrix: Path | None, threads: int,
-                    progress: Progress | None) -> None:
+                    progress: Progress | None, kept_layers: list[int]) -> None:
     w = StreamingGGUFWriter(path, arch="bitsplit-residual")
     kv = w.kv
     kv.add_uint32("bitsplit.format_version", FORMAT_VERSION)
@@ -427,6 +463,7 @@ def _write_residual(path: Path, src: GGUFFile, base: GGUFFile, plan: list[Residu
     kv.add_uint32("bitsplit.fallback_count", sum(r.fallback for r in plan))
     kv.add_uint32("bitsplit.tensor_count", len(plan))
     kv.add_string("bitsplit.imatrix", imatrix.name if imatrix else "")
+    kv.add_string(KEPT_LAYERS_KEY, ",".join(str(i) for i in kept_layers))
     # integrity: a CRC-32 of every base tensor (read back now) and of every residual tensor (as it
     # is written), checked by `bitsplit info --verify`
     kv.add_string(BASE_CHECKSUMS_KEY, ",".join(f"{tensor_checksum(base, t):08x}" for t in base.tensors))
