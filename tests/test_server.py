@@ -280,8 +280,11 @@ def test_sigterm_during_a_stream_exits_cleanly(tiny_split):
     import sys
 
     port = _free_port()
+    # a fixed tree: with "auto" the first request measures the machine first (once per native build),
+    # which on a loaded 2-core machine outlasted the 60 s wait for the first chunks (CI dry run)
     proc = subprocess.Popen([sys.executable, "-m", "bitsplit_llama.cli", "serve", str(tiny_split), "--port", str(port),
-                             "--n-ctx", "512"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--n-ctx", "512", "--tree-nodes", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     try:
         url = f"http://127.0.0.1:{port}/v1"
         for _ in range(600):
