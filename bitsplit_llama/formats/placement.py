@@ -110,18 +110,14 @@ def layers_for_vram(src: GGUFFile, base: GGUFFile, vram_bytes: int, n_ctx: int) 
     return layers, terms
 
 
-def kept_tensors(src: GGUFFile, base: GGUFFile, layers: list[int]) -> set[str]:
-    """The names of the base's tensors in ``layers`` that differ from the source (those replaced)."""
-    keep = set(layers)
-    return {t.name for t in base.tensors if layer_of(t.name) in keep and t.name in src}
-
-
-def write_base_with_layers(src: GGUFFile, base_path: Path, out_path: Path, names: set[str]) -> None:
-    """``base_path`` with the tensors ``names`` taken from the source (as :func:`kept_type`) to
-    ``out_path``: the header's key/values copied byte for byte, every other tensor as it is.
+def write_base_with_layers(src: GGUFFile, base_path: Path, out_path: Path, layers: list[int]) -> None:
+    """``base_path`` with every tensor of ``layers`` taken from the source (as :func:`kept_type`)
+    to ``out_path``: the header's key/values copied byte for byte, every other tensor as it is.
     Written directly (not through gguf-py's reader, which holds a numpy object per vocabulary
     string: 0.5 GB for a 150k-token vocabulary)."""
     with GGUFFile(base_path, role="base") as base, open(out_path, "wb") as fh:
+        keep = set(layers)
+        names = {bt.name for bt in base.tensors if layer_of(bt.name) in keep}
         align = base.alignment
         types = {bt.name: (kept_type(src.tensor(bt.name)) if bt.name in names else bt.ggml_type) for bt in base.tensors}
         sizes, offsets, off = {}, {}, 0
@@ -129,10 +125,8 @@ def write_base_with_layers(src: GGUFFile, base_path: Path, out_path: Path, names
             sizes[bt.name] = _ggml.row_size(types[bt.name], bt.n_per_row) * bt.n_rows
             offsets[bt.name] = off
             off += -(-sizes[bt.name] // align) * align
-        fh.write(GGUF_MAGIC + struct.pack("<IQQ", 3, len(base.tensors), len(base.kv)))
-        with open(base_path, "rb") as bf:
-            bf.seek(24)
-            fh.write(bf.read(base.kv_end - 24))
+        fh.write(GGUF_MAGIC + struct.pack("<IQQ", base.version, len(base.tensors), len(base.kv)))
+        fh.write(base.header_bytes()[24:base.kv_end])
         for bt in base.tensors:
             name = bt.name.encode()
             fh.write(struct.pack("<Q", len(name)) + name + struct.pack("<I", len(bt.shape)))

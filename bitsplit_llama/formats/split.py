@@ -260,9 +260,9 @@ def _quantizer_reason(tail: list[str], rc: int) -> str:
 
 
 def _plan_residuals(src: GGUFFile, base: GGUFFile, wanted: int,
-                    kept: frozenset[str] = frozenset()) -> tuple[list[ResidualTensor], int]:
-    """Which base tensors need a residual, and of which type (none for those of layers kept whole,
-    ``kept``). Returns (plan, exact_count)."""
+                    kept_layers: frozenset[int] = frozenset()) -> tuple[list[ResidualTensor], int]:
+    """Which base tensors need a residual, and of which type (none for those of ``kept_layers``,
+    left whole). Returns (plan, exact_count)."""
     plan: list[ResidualTensor] = []
     exact = 0
     for bt in base.tensors:
@@ -273,7 +273,8 @@ def _plan_residuals(src: GGUFFile, base: GGUFFile, wanted: int,
             raise UnsupportedModelError(
                 f"{base.path}: tensor '{bt.name}' is {bt.shape_str()} but the source has {st.shape_str()}"
             )
-        if bt.name in kept or (st.ggml_type == bt.ggml_type and _same_bytes(src, st, base, bt)):
+        if placement.layer_of(bt.name) in kept_layers or (st.ggml_type == bt.ggml_type
+                                                          and _same_bytes(src, st, base, bt)):
             exact += 1
             continue
         rtype = residual_type_for(bt.n_per_row, wanted)
@@ -361,24 +362,21 @@ def split_model(
                 progress.phase("base: llama.cpp quantize", len(src.tensors), 0)
             t_base = time.monotonic()
             child_rss = quantize_model(source, base_tmp, base_ftype, threads, imatrix_path, progress)
-            kept: frozenset[str] = frozenset()
-            if keep_layers or vram_gb is not None:
+            if vram_gb is not None:
                 with GGUFFile(base_tmp, role="base") as qb:
-                    if vram_gb is not None:
-                        layers, budget = placement.layers_for_vram(src, qb, int(vram_gb * 1e9), n_ctx)
-                    else:
-                        layers = placement.keep_order(n_layer)[:keep_layers]
-                    kept = frozenset(placement.kept_tensors(src, qb, layers))
-                if kept:
-                    if progress:
-                        progress.phase(f"base: {len(layers)} of {n_layer} layers whole", len(kept), 0)
-                    placement.write_base_with_layers(src, base_tmp, whole_tmp, set(kept))
-                    os.replace(whole_tmp, base_tmp)
+                    layers, budget = placement.layers_for_vram(src, qb, int(vram_gb * 1e9), n_ctx)
+            elif keep_layers:
+                layers = placement.keep_order(n_layer)[:keep_layers]
+            if layers:
+                if progress:
+                    progress.phase(f"base: {len(layers)} of {n_layer} layers whole", 0, 0)
+                placement.write_base_with_layers(src, base_tmp, whole_tmp, layers)
+                os.replace(whole_tmp, base_tmp)
             base_seconds = time.monotonic() - t_base
 
             t_res = time.monotonic()
             plan, exact = _make_residual(src, base_tmp, res_tmp, wanted, residual.lower(), base_ftype, imatrix_path,
-                                         threads, progress, kept, sorted(layers))
+                                         threads, progress, sorted(layers))
             with GGUFFile(base_tmp, role="base") as base:
                 base_types = dict(Counter(t.type_name for t in base.tensors))
                 base_bytes = sum(t.nbytes for t in base.tensors)
@@ -411,10 +409,10 @@ def split_model(
 
 
 def _make_residual(src: GGUFFile, base_path: Path, res_path: Path, wanted: int, residual: str, base_ftype: str,
-                   imatrix: Path | None, threads: int, progress: Progress | None, kept: frozenset[str] = frozenset(),
+                   imatrix: Path | None, threads: int, progress: Progress | None,
                    kept_layers: list[int] | None = None) -> tuple[list[ResidualTensor], int]:
     with GGUFFile(base_path, role="base") as base:
-        plan, exact = _plan_residuals(src, base, wanted, kept)
+        plan, exact = _plan_residuals(src, base, wanted, frozenset(kept_layers or ()))
         res_bytes_est = sum(_ggml.row_size(r.residual_type, r.shape[0]) * math.prod(r.shape[1:]) for r in plan)
         _check_space(res_path.parent, res_bytes_est + (16 << 20))
         _write_residual(res_path, src, base, plan, residual, fingerprint(base), fingerprint(src), base_ftype,
