@@ -98,7 +98,9 @@ def split(
     src: Path = typer.Argument(..., help="Source GGUF (F32/F16/BF16/Q8_0/K-quants/Q4_x/Q5_x)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output directory for base.gguf and residual.gguf."),
     residual: str = typer.Option("q6_k", "--residual", help="Residual type: q4_k, q5_k, q6_k, q8_0 (or f16, f32)."),
-    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the Q2_K base (llama-imatrix output)."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the Q2_K base (`bitsplit imatrix` "
+                                           "or llama-imatrix output), or 'auto': computed from SRC on the calibration "
+                                           "text shipped with bitsplit (cached). Default: none."),
     threads: Optional[int] = THREADS,
     force: bool = typer.Option(False, "--force", help="Replace base.gguf/residual.gguf already in the directory."),
     keep_layers: Optional[int] = typer.Option(None, "--keep-layers", help="Leave this many layers whole in the base "
@@ -114,6 +116,15 @@ def split(
     from .tools.progress import make_progress
     from .formats.split import install_sigterm_handler, split_model
 
+    if imatrix is not None and str(imatrix) == "auto":
+        from .formats import placement
+        from .formats.split import parse_residual_type
+        from .tools.imatrix import auto_imatrix
+
+        parse_residual_type(residual)  # bad options fail before the minutes the matrix takes
+        placement.check_options(keep_layers, vram, n_ctx)
+        imatrix = auto_imatrix(src, threads=threads, progress=make_progress(quiet or as_json),
+                               log=None if quiet or as_json else lambda s: print(s, file=sys.stderr, flush=True))
     restore = install_sigterm_handler()
     try:
         rep = split_model(src, out, residual=residual, imatrix=imatrix, threads=threads, force=force,
@@ -443,6 +454,10 @@ def plan(
                                            "JSON gives the measured draft_passes_per_verify)."),
     verify_rows: int = typer.Option(17, "--verify-rows", help="Rows of a verification pass (tree nodes + 1)."),
     cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="CPU cores computing the residual (default: this machine's)."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="An acceptance profile (`bitsplit profile`: a split "
+                                           "directory or its profile.json): tokens per verify and drafter passes per "
+                                           "tree size, measured; the best size is planned. A split directory given as "
+                                           "MODEL (--gpu none) is read without this option."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Project what fits where and the tokens/s of bitsplit vs stock Q8_0 with partial offload (a projection).
@@ -457,21 +472,35 @@ def plan(
             raise InvalidOptionError(f"{name}: {v} must be positive")
     if gpu not in ("discrete", "none"):
         raise InvalidOptionError(f"--gpu: '{gpu}' unknown (expected discrete or none)")
+    from functools import partial
+
+    from .tools.plan import plan_with_profile
+    from .tools.profile import load_profile, load_profile_file
+
+    prof, prof_src = None, None
+    if profile is not None:
+        prof, prof_src = load_profile_file(profile), str(profile)
+    elif gpu == "none" and Path(model).is_dir():
+        prof = load_profile(model)
+        prof_src = str(Path(model) / "profile.json") if prof else None
+    if prof is not None and (tokens_per_verify is not None or rounds is not None):
+        raise InvalidOptionError("--tokens-per-verify/--rounds with an acceptance profile: give one or the other")
     if gpu == "none":
         if vram is not None:
             raise InvalidOptionError("--vram with --gpu none: there is no GPU to fill; leave --vram out")
-        p = make_cpu_plan(str(model), ram_bw=ram_bandwidth, residual=residual, tokens_per_verify=tokens_per_verify,
-                          rounds=rounds, cores=cpu_cores, verify_rows=verify_rows, log=_say)
+        make = partial(make_cpu_plan, str(model), ram_bw=ram_bandwidth, residual=residual, cores=cpu_cores, log=_say)
     else:
         if vram is None:
             raise InvalidOptionError("--vram: required (GPU memory in GB), unless --gpu none")
         if Path(model).is_dir():
             raise InvalidOptionError(f"{model}: a split directory is planned with --gpu none; for a GPU give the "
                                      "source GGUF or a preset name")
-        p = make_plan(str(model), vram_gb=vram, gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth,
-                      residual=residual, n_ctx=n_ctx, tokens_per_verify=tokens_per_verify,
-                      rounds=int(round(rounds)) if rounds else None, cores=cpu_cores, verify_rows=verify_rows,
-                      log=_say)
+        make = partial(make_plan, str(model), vram_gb=vram, gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth,
+                       residual=residual, n_ctx=n_ctx, cores=cpu_cores, log=_say)
+    if prof is not None:
+        p = plan_with_profile(make, prof, prof_src)
+    else:
+        p = make(tokens_per_verify=tokens_per_verify, rounds=rounds, verify_rows=verify_rows)
     if as_json:
         _print_json(p)
         return
@@ -579,6 +608,70 @@ def eval_(
     for m in rep.models:
         t.add_row(m.name, f"{m.kl_mean:.5f}", f"{m.kl_mean_after_first:.5f}", f"{m.kl_p99:.4f}", f"{100 * m.top1:.2f}%",
                   f"{m.ppl:.4f}", f"{m.seconds:.0f} s")
+    Console().print(t)
+
+
+@app.command()
+def imatrix(
+    src: Path = typer.Argument(..., help="The model GGUF (the source you will split)."),
+    out: Path = typer.Option(..., "-o", "--out", help="The imatrix GGUF to write (llama.cpp's format)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="A UTF-8 text to read (default: the calibration text "
+                                        "shipped with bitsplit: code and prose)."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Read at most this many chunks (default: all)."),
+    n_ctx: int = typer.Option(512, "--n-ctx", help="Tokens per chunk (each chunk is one batch)."),
+    threads: Optional[int] = THREADS,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON line."),
+) -> None:
+    """Compute an importance matrix (per weight, the mean square of the activations entering each input
+    column) for `split --imatrix`; stock llama-quantize reads it too."""
+    from .tools.imatrix import calibration_text, compute_imatrix
+    from .tools.progress import make_progress
+
+    rep = compute_imatrix(src, text or calibration_text(), out, chunks=chunks, n_ctx=n_ctx, threads=threads,
+                          progress=make_progress(quiet or as_json))
+    if as_json:
+        _print_json(rep.to_json())
+        return
+    print(f"{rep.out}: {rep.n_entries} weights, {rep.n_tokens} tokens of {Path(rep.text).name} "
+          f"({rep.n_chunks} chunks of {rep.n_ctx}), {rep.seconds:.1f} s")
+
+
+@app.command("profile")
+def profile_cmd(
+    model_dir: Path = typer.Argument(..., help="A split model directory."),
+    nodes: str = typer.Option(",".join(map(str, (0, 1, 2, 4, 8, 16, 32, 64))), "--nodes",
+                              help="Tree sizes to measure, comma-separated (0: the verifier alone; up to 256)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: a JSON list or one per line (default: "
+                                           "two code and two English prompts)."),
+    n: int = typer.Option(64, "-n", "--n-tokens", help="Tokens generated per prompt and size."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy)."),
+    threads: Optional[int] = THREADS,
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    as_json: bool = typer.Option(False, "--json", help="Print the profile as one JSON line."),
+) -> None:
+    """Measure tokens per verify, verify pass time and drafting against tree size for this split, and write it to
+    MODEL_DIR/profile.json, where --tree-nodes auto and `bitsplit plan` read it."""
+    from .tools.bench import load_prompts
+    from .tools.profile import measure_profile, parse_nodes, write_profile
+
+    sizes = parse_nodes(nodes)
+    ps = load_prompts(prompts) if prompts else None
+    say = (lambda s: None) if quiet or as_json else (lambda s: print(s, file=sys.stderr, flush=True))
+    prof = measure_profile(model_dir, nodes=sizes, prompts=ps, n_tokens=n, temperature=temp, threads=threads, log=say)
+    path = write_profile(model_dir, prof)
+    if as_json:
+        _print_json({**prof, "path": str(path)})
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{model_dir}: {len(prof['prompts'])} prompts x {n} tokens, temperature {temp:g} -> {path}")
+    for col in ("nodes", "tokens/verify", "ms/verify pass", "ms drafting/cycle", "drafter passes/cycle", "tokens/s"):
+        t.add_column(col, justify="right")
+    for r in prof["profile"]:
+        t.add_row(str(r["nodes"]), f"{r['tokens_per_verify']:.2f}", f"{r['ms_per_verify']:.0f}",
+                  f"{r['ms_drafting_per_cycle']:.0f}", f"{r['draft_passes_per_cycle']:.1f}", f"{r['tokens_per_second']:.2f}")
     Console().print(t)
 
 

@@ -168,6 +168,24 @@ const char * bitsplit_ctx_choose_kernel(bitsplit_ctx * ctx, int64_t n_cols);
 /* the pinned family, or the policy's pick for one column */
 const char * bitsplit_ctx_kernel(const bitsplit_ctx * ctx);
 
+/* Importance matrix (llama.cpp's imatrix definition), collected by an eval callback of its own:
+ * for every product of a "blk.*" weight in a pass of at least 16 rows, the sum of the squared
+ * activations entering each input column (per expert for MUL_MAT_ID) and the number of rows. */
+typedef struct bitsplit_imatrix bitsplit_imatrix;
+int bitsplit_imatrix_new(bitsplit_imatrix ** out);
+void bitsplit_imatrix_free(bitsplit_imatrix * im);
+/* llama_context_params.cb_eval with cb_eval_user_data = the collector */
+bool bitsplit_imatrix_callback(struct ggml_tensor * t, bool ask, void * user_data);
+int64_t bitsplit_imatrix_n_entries(const bitsplit_imatrix * im);
+/* products collected so far */
+uint64_t bitsplit_imatrix_n_products(const bitsplit_imatrix * im);
+/* entry i: its weight's name (valid while the collector lives), n_per_row, n_mat (experts, or 1);
+ * sums (n_mat * n_per_row doubles) and counts (n_mat) are copied out where not NULL */
+int bitsplit_imatrix_entry(const bitsplit_imatrix * im, int64_t i, const char ** name, int64_t * n_per_row,
+                           int64_t * n_mat, double * sums, int64_t * counts);
+/* the first error recorded while collecting (buf gets its message), then cleared */
+int bitsplit_imatrix_take_error(bitsplit_imatrix * im, char * buf, size_t buf_size);
+
 #ifdef __cplusplus
 }
 #endif

@@ -79,3 +79,43 @@ def _load_legacy(path: Path) -> dict[str, np.ndarray]:
         vals = np.frombuffer(take(4 * nval, f"values of entry '{name}'"), dtype=np.float32).copy()
         out[name] = vals / ncall if ncall > 0 else vals
     return out
+
+
+def write_imatrix(path: str | Path, entries: dict[str, tuple[np.ndarray, np.ndarray]], *, architecture: str,
+                  datasets: list[str], chunk_count: int, chunk_size: int) -> None:
+    """Write llama.cpp's imatrix GGUF: per weight, ``<name>.in_sum2`` (sums of squared activations,
+    n_mat x n_per_row) and ``<name>.counts`` (rows summed, n_mat x 1), both F32, with the
+    ``imatrix.*`` keys. ``entries``: name -> (sums (n_mat, n_per_row), counts (n_mat,)). Written to
+    a temporary file beside ``path`` and renamed: a failure leaves no partial file."""
+    import os
+
+    import gguf
+
+    from ..errors import OutputError
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        w = gguf.GGUFWriter(tmp, architecture)
+        w.add_type(gguf.GGUFType.IMATRIX)
+        w.add_array(gguf.Keys.IMatrix.DATASETS, list(datasets))
+        w.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, int(chunk_count))
+        w.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, int(chunk_size))
+        for name in sorted(entries):
+            sums, counts = entries[name]
+            sums = np.ascontiguousarray(sums, dtype=np.float32)
+            counts = np.ascontiguousarray(counts, dtype=np.float32).reshape(-1, 1)
+            if sums.ndim != 2 or sums.shape[0] != counts.shape[0]:
+                raise ValueError(f"imatrix entry '{name}': sums {sums.shape} and counts {counts.shape} disagree")
+            w.add_tensor(f"{name}.in_sum2", sums)
+            w.add_tensor(f"{name}.counts", counts)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OutputError(f"{path}: cannot write the imatrix ({e.strerror or e})") from e
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -89,6 +89,42 @@ def _machine_key(threads: int, setup: str = "") -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+machine_key = _machine_key
+
+
+def setup_of(sm) -> str:
+    """What besides the machine changes a split model's pass times: the native build, GPU layers,
+    the drafter, RPC servers."""
+    from ..native import build_key
+
+    return (f"{build_key()[0]}|ngl={sm.n_gpu_layers}|native_drafter={sm.fast_drafter}"
+            + (f"|rpc={len(sm.rpc)}" if sm.rpc else ""))
+
+
+def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None) -> tuple[TreeShape, float, list]:
+    """The tree size of a split's acceptance profile (``bitsplit profile``) with the best tokens/s:
+    measured tokens per verification, and the profile's own times when it was measured with this
+    machine key, else this machine's cost curves ``prof`` (a verify pass of nodes + 1 rows, the
+    measured drafter passes per cycle at the tree's width). Returns (shape, tokens/s, table)."""
+    same = split_prof.get("machine_key") == key
+    if not same and prof is None:
+        raise ValueError("a profile measured elsewhere needs this machine's cost curves")
+    rows = []
+    for r in split_prof["profile"]:
+        n = int(r["nodes"])
+        shape = TreeShape(0, 1, 1) if n == 0 else TreeShape(n, int(r["width"]), int(r["rounds"]))
+        if same:
+            sec = (float(r["ms_per_verify"]) + float(r["ms_drafting_per_cycle"])) / 1000
+        elif n == 0:
+            sec = prof.plain_ms / 1000
+        else:
+            sec = (float(r["draft_passes_per_cycle"]) * prof.draft(shape.width) + prof.verify(n + 1)) / 1000
+        tok = float(r["tokens_per_verify"])
+        rows.append((shape, tok, sec, tok / sec if sec > 0 else 0.0))
+    rows.sort(key=lambda r: -r[3])
+    return rows[0][0], rows[0][3], rows
+
+
 def cache_path(base_fingerprint: str, threads: int, setup: str = "") -> Path:
     """Where a profile is cached: per base, machine, thread count and ``setup`` (anything else that
     changes pass times: the native library's build, GPU layers, the drafter)."""

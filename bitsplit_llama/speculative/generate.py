@@ -55,7 +55,16 @@ class Generator:
         self.shape.validate()
         if drafter not in DRAFTERS:
             raise InvalidOptionError(f"--drafter: {drafter!r} is not one of {', '.join(DRAFTERS)}")
+        split_prof = None
+        if auto:
+            from ..tools.profile import load_profile
+
+            split_prof = load_profile(model_dir)  # None without one (or one of another base)
         room = TreeShape(24, 4, 10) if auto else self.shape  # the largest an automatic choice may use
+        if split_prof:
+            big = max(int(r["nodes"]) for r in split_prof["profile"])
+            if big > room.nodes:
+                room = TreeShape.for_nodes(big)
         self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, room.nodes + 8),
                              n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                              precision=precision, verbose=verbose,
@@ -64,21 +73,29 @@ class Generator:
         self.auto_choice = None
         if auto:
             from ..formats.gguf_file import GGUFFile
-            from ..native import build_key
             from . import autotree
 
             with GGUFFile(self.sm.residual.residual_path, role="residual") as rg:
                 fp = str(rg.kv.get("bitsplit.base_fingerprint", ""))
-            setup = (f"{build_key()[0]}|ngl={self.sm.n_gpu_layers}|native_drafter={self.sm.fast_drafter}"
-                     + (f"|rpc={len(self.sm.rpc)}" if self.sm.rpc else ""))
-            prof = autotree.load_or_measure(Engine(self.sm, self.shape), self.tokenize, self.sm.model.is_eog, fp,
-                                            self.sm.ctx.n_threads, log, setup)
-            self.shape, best_tps, table = autotree.choose(prof)
-            fixed16 = next((r for r in table if (r[0].nodes, r[0].width, r[0].rounds) == (16, 4, 7)), None)
-            self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
-                                "expected_tokens_per_second": round(best_tps, 3),
-                                "expected_tokens_per_second_fixed16": round(fixed16[3], 3) if fixed16 else None,
-                                "rank_probs": prof.rank_probs}
+            setup = autotree.setup_of(self.sm)
+            key = autotree.machine_key(self.sm.ctx.n_threads, setup)
+            prof = None
+            if split_prof is None or split_prof.get("machine_key") != key:
+                prof = autotree.load_or_measure(Engine(self.sm, self.shape), self.tokenize, self.sm.model.is_eog, fp,
+                                                self.sm.ctx.n_threads, log, setup)
+            if split_prof is not None:
+                self.shape, best_tps, table = autotree.choose_measured(split_prof, key, prof)
+                self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
+                                    "expected_tokens_per_second": round(best_tps, 3),
+                                    "from": "acceptance profile" + (" (its times)" if prof is None else
+                                                                    " (this machine's cost curves)")}
+            else:
+                self.shape, best_tps, table = autotree.choose(prof)
+                fixed16 = next((r for r in table if (r[0].nodes, r[0].width, r[0].rounds) == (16, 4, 7)), None)
+                self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
+                                    "expected_tokens_per_second": round(best_tps, 3),
+                                    "expected_tokens_per_second_fixed16": round(fixed16[3], 3) if fixed16 else None,
+                                    "rank_probs": prof.rank_probs, "from": "rank model"}
         # plain steps carry two rows; tree passes 1 + nodes
         self.kernel = self.sm.residual.choose_decode_kernel(max(2, self.shape.nodes + 1), kernel)
         self.engine = Engine(self.sm, self.shape)

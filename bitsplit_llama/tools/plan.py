@@ -275,3 +275,29 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         f"  residual compute: {w_core / 1e9:.2f} G weights/s per core, {w_src}",
     ])
     return out
+
+
+def plan_with_profile(make, prof: dict, source: str, **kw) -> dict:
+    """``make`` (:func:`make_plan` or :func:`make_cpu_plan`) for every tree size of an acceptance
+    profile (``bitsplit profile``): its measured tokens per verification and drafter passes per
+    cycle, a verification of nodes + 1 rows; the size with the best projected speedup is the plan,
+    and the JSON lists them all (``tree_sizes``)."""
+    rows = [r for r in prof["profile"] if int(r["nodes"]) > 0]
+    if not rows:
+        raise InputError(f"{source}: the profile has no tree size above 0 nodes")
+    plans = []
+    for r in rows:
+        p = make(tokens_per_verify=float(r["tokens_per_verify"]), rounds=max(float(r["draft_passes_per_cycle"]), 1.0),
+                 verify_rows=int(r["nodes"]) + 1, **kw)
+        plans.append((int(r["nodes"]), p))
+    nodes, best = max(plans, key=lambda np_: np_[1]["projected_speedup"])
+    src = f"acceptance profile {source} ({nodes}-node tree, the best of {len(plans)} sizes measured)"
+    best["bitsplit"]["tokens_per_verify_source"] = src
+    best["bitsplit"]["rounds_source"] = src
+    best["tree_nodes"] = nodes
+    best["tree_sizes"] = [{"nodes": n, "tokens_per_verify": p["bitsplit"]["tokens_per_verify"],
+                           "rounds": p["bitsplit"]["rounds"], "projected_speedup": p["projected_speedup"]}
+                          for n, p in plans]
+    best["text"] = best["text"].replace("(given)", f"({src})") + "\n  tree sizes: " + ", ".join(
+        f"{n}: {p['projected_speedup']:.2f}x" for n, p in plans)
+    return best

@@ -1920,6 +1920,131 @@ static void test_thread_sizing(const model * m) {
     bitsplit_ctx_free(ctx);
 }
 
+/* The importance-matrix collector on hand-made products: what it asks for, its sums and counts
+ * against a plain computation, copy names, bad activations, shape mismatches and expert ids. */
+static void test_imatrix(void) {
+    enum { K = 40, N = 6, ROWS = 20, E = 3, NUSED = 2 };
+    struct ggml_init_params ip = {.mem_size = 32 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_context * g = ggml_init(ip);
+    struct ggml_tensor * W = ggml_new_tensor_2d(g, GGML_TYPE_F32, K, N);
+    ggml_set_name(W, "CPU#blk.3.ffn_up.weight#0");
+    struct ggml_tensor * X = ggml_new_tensor_2d(g, GGML_TYPE_F32, K, ROWS);
+    struct ggml_tensor * Y = ggml_mul_mat(g, W, X);
+    struct ggml_tensor * Xs = ggml_new_tensor_2d(g, GGML_TYPE_F32, K, 15); /* too few rows */
+    struct ggml_tensor * Ys = ggml_mul_mat(g, W, Xs);
+    struct ggml_tensor * Wo = ggml_new_tensor_2d(g, GGML_TYPE_F32, K, N);
+    ggml_set_name(Wo, "output.weight");
+    struct ggml_tensor * Yo = ggml_mul_mat(g, Wo, X);
+    struct ggml_tensor * Ww = ggml_new_tensor_2d(g, GGML_TYPE_F32, 2 * K, N); /* same name, other width */
+    ggml_set_name(Ww, "blk.3.ffn_up.weight");
+    struct ggml_tensor * Xw = ggml_new_tensor_2d(g, GGML_TYPE_F32, 2 * K, ROWS);
+    struct ggml_tensor * Yw = ggml_mul_mat(g, Ww, Xw);
+    struct ggml_tensor * We = ggml_new_tensor_3d(g, GGML_TYPE_F32, K, N, E);
+    ggml_set_name(We, "blk.0.ffn_up_exps.weight");
+    struct ggml_tensor * Xe = ggml_new_tensor_3d(g, GGML_TYPE_F32, K, 1, ROWS);
+    struct ggml_tensor * ids = ggml_new_tensor_2d(g, GGML_TYPE_I32, NUSED, ROWS);
+    struct ggml_tensor * Ye = ggml_mul_mat_id(g, We, Xe, ids);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(g, ggml_backend_cpu_buffer_type());
+    CHECK(buf != NULL, "imatrix: allocating CPU tensors");
+    bitsplit_imatrix * im = NULL;
+    CHECK(bitsplit_imatrix_new(&im) == BITSPLIT_OK && im != NULL, "imatrix: new");
+    CHECK(bitsplit_imatrix_new(NULL) == BITSPLIT_E_INVALID, "imatrix: new(NULL)");
+    if (buf == NULL || im == NULL) {
+        bitsplit_imatrix_free(im);
+        ggml_free(g);
+        return;
+    }
+    float * x = (float *)X->data;
+    make_x(x, K * ROWS, 7);
+    make_x((float *)Xe->data, K * ROWS, 8);
+    CHECK(bitsplit_imatrix_callback(NULL, true, im) == false && bitsplit_imatrix_callback(Y, true, NULL) == false &&
+          bitsplit_imatrix_callback(Y, false, NULL) == true, "imatrix: NULL arguments");
+    CHECK(bitsplit_imatrix_callback(X, true, im) == false, "imatrix: a non-product node is not asked for");
+    CHECK(bitsplit_imatrix_callback(Ys, true, im) == false, "imatrix: a pass of 15 rows is not collected");
+    CHECK(bitsplit_imatrix_callback(Yo, true, im) == false, "imatrix: the output head is not collected");
+    for (int pass = 0; pass < 2; pass++) {
+        CHECK(bitsplit_imatrix_callback(Y, true, im) == true && bitsplit_imatrix_callback(Y, false, im) == true,
+              "imatrix: a layer product is collected (pass %d)", pass);
+    }
+    CHECK(bitsplit_imatrix_n_entries(im) == 1 && bitsplit_imatrix_n_products(im) == 2, "imatrix: one entry, two products");
+    const char * name = NULL;
+    int64_t k = 0, nm = 0, counts[E] = {0};
+    double sums[K * E];
+    CHECK(bitsplit_imatrix_entry(im, 0, &name, &k, &nm, sums, counts) == BITSPLIT_OK && name != NULL &&
+          strcmp(name, "blk.3.ffn_up.weight") == 0 && k == K && nm == 1 && counts[0] == 2 * ROWS,
+          "imatrix: entry named after the weight, not its copy ('%s', %lld x %lld, count %lld)", name ? name : "",
+          (long long)nm, (long long)k, (long long)counts[0]);
+    double worst = 0;
+    for (int j = 0; j < K; j++) {
+        double want = 0;
+        for (int r = 0; r < ROWS; r++) want += 2.0 * (double)x[r * K + j] * (double)x[r * K + j];
+        worst = fmax(worst, fabs(sums[j] - want) / fmax(want, 1e-30));
+    }
+    CHECK(worst < 1e-12, "imatrix: sums of squares (relative error %g)", worst);
+    CHECK(bitsplit_imatrix_entry(im, 1, NULL, NULL, NULL, NULL, NULL) == BITSPLIT_E_INVALID &&
+          bitsplit_imatrix_entry(im, -1, NULL, NULL, NULL, NULL, NULL) == BITSPLIT_E_INVALID,
+          "imatrix: entry index out of range");
+    char msg[512];
+    CHECK(bitsplit_imatrix_take_error(im, msg, sizeof msg) == BITSPLIT_OK && msg[0] == '\0', "imatrix: no error yet");
+
+    /* the same weight at another width: refused, named, and the entry left as it was */
+    CHECK(bitsplit_imatrix_callback(Yw, true, im) == true && bitsplit_imatrix_callback(Yw, false, im) == true,
+          "imatrix: mismatch continues the graph");
+    CHECK(bitsplit_imatrix_take_error(im, msg, sizeof msg) == BITSPLIT_E_MISMATCH && strstr(msg, "blk.3.ffn_up") != NULL,
+          "imatrix: width mismatch recorded ('%s')", msg);
+    CHECK(bitsplit_imatrix_take_error(im, msg, sizeof msg) == BITSPLIT_OK, "imatrix: error cleared once taken");
+
+    /* a NaN activation: recorded with the weight's name; nothing after it in that product counted */
+    x[3 * K + 5] = NAN;
+    bitsplit_imatrix_callback(Y, false, im);
+    CHECK(bitsplit_imatrix_take_error(im, msg, sizeof msg) == BITSPLIT_E_STATE && strstr(msg, "NaN") != NULL,
+          "imatrix: NaN recorded ('%s')", msg);
+    bitsplit_imatrix_entry(im, 0, NULL, NULL, NULL, NULL, counts);
+    CHECK(counts[0] == 2 * ROWS + 3, "imatrix: rows before the NaN counted (%lld)", (long long)counts[0]);
+
+    /* experts: ids routed per token and slot; an id out of range is refused before any read */
+    int32_t * idv = (int32_t *)ids->data;
+    int64_t want_counts[E] = {0};
+    for (int i = 0; i < NUSED * ROWS; i++) {
+        idv[i] = (int32_t)((i * 5 + i / 3) % E);
+        want_counts[idv[i]]++;
+    }
+    CHECK(bitsplit_imatrix_callback(Ye, true, im) == true && bitsplit_imatrix_callback(Ye, false, im) == true,
+          "imatrix: expert product collected");
+    int64_t ei = -1;
+    for (int64_t i = 0; i < bitsplit_imatrix_n_entries(im); i++) {
+        bitsplit_imatrix_entry(im, i, &name, NULL, NULL, NULL, NULL);
+        if (strcmp(name, "blk.0.ffn_up_exps.weight") == 0) ei = i;
+    }
+    CHECK(ei >= 0 && bitsplit_imatrix_entry(im, ei, NULL, &k, &nm, sums, counts) == BITSPLIT_OK && nm == E && k == K,
+          "imatrix: expert entry %lld x %lld", (long long)nm, (long long)k);
+    const float * xe = (const float *)Xe->data;
+    worst = 0;
+    for (int e = 0; e < E; e++) {
+        CHECK(counts[e] == want_counts[e], "imatrix: expert %d count %lld, expected %lld", e, (long long)counts[e],
+              (long long)want_counts[e]);
+        for (int j = 0; j < K; j++) {
+            double want = 0;
+            for (int t = 0; t < ROWS; t++)
+                for (int s = 0; s < NUSED; s++)
+                    if (idv[t * NUSED + s] == e) want += (double)xe[t * K + j] * (double)xe[t * K + j];
+            worst = fmax(worst, fabs(sums[e * K + j] - want) / fmax(want, 1e-30));
+        }
+    }
+    CHECK(worst < 1e-12, "imatrix: expert sums (relative error %g)", worst);
+    idv[7] = E;
+    bitsplit_imatrix_callback(Ye, false, im);
+    CHECK(bitsplit_imatrix_take_error(im, msg, sizeof msg) == BITSPLIT_E_INVALID && strstr(msg, "out of range") != NULL,
+          "imatrix: expert id out of range refused ('%s')", msg);
+    idv[7] = -1;
+    bitsplit_imatrix_callback(Ye, false, im);
+    CHECK(bitsplit_imatrix_take_error(im, msg, sizeof msg) == BITSPLIT_E_INVALID, "imatrix: negative expert id refused");
+    bitsplit_imatrix_free(im);
+    bitsplit_imatrix_free(NULL);
+    ggml_backend_buffer_free(buf);
+    ggml_free(g);
+}
+
 int main(int argc, char ** argv) {
     const double t_start = now_s();
     const char * dir = NULL;
@@ -2009,6 +2134,7 @@ int main(int argc, char ** argv) {
     const int fds0 = count_fds();
     double t = now_s();
     test_api_edges(&m, work);
+    test_imatrix();
     test_thread_sizing(&m);
     test_valid_load(&m, quick);
     const double t_products = now_s() - t;

@@ -1,0 +1,162 @@
+"""``bitsplit profile``: a split's measured acceptance profile, written next to it.
+
+For each tree size (``TreeShape.for_nodes``; 0 is the verifier alone) the engine generates from a
+few prompts and records tokens per verification, the time of a verify pass, the drafting per cycle
+and the drafter passes per cycle. ``profile.json`` in the split directory holds the result with the
+base's fingerprint and this machine's key; ``--tree-nodes auto`` then picks among the measured sizes
+(with these times on the machine that measured them, with its own cost curves elsewhere) and
+``bitsplit plan`` reads tokens per verification and drafter passes from it instead of constants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..errors import InputError, InvalidOptionError
+
+PROFILE_FILE = "profile.json"
+PROFILE_FORMAT = 1
+DEFAULT_NODES = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+def profile_path(split: str | os.PathLike[str]) -> Path:
+    return Path(split) / PROFILE_FILE
+
+
+def parse_nodes(text: str) -> list[int]:
+    from ..speculative.engine import MAX_TREE_NODES
+
+    try:
+        nodes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise InvalidOptionError(f"--nodes: '{text}' is not a comma-separated list of integers") from None
+    if not nodes or nodes[0] < 0 or nodes[-1] > MAX_TREE_NODES:
+        raise InvalidOptionError(f"--nodes: '{text}': each size must be 0 to {MAX_TREE_NODES}")
+    return nodes
+
+
+def _base_fingerprint(split: Path) -> str:
+    from ..formats.gguf_file import GGUFFile
+    from ..formats.modeldir import validate_split
+
+    _, res_p = validate_split(split)
+    with GGUFFile(res_p, role="residual") as rg:
+        return str(rg.kv.get("bitsplit.base_fingerprint", ""))
+
+
+def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEFAULT_NODES,
+                    prompts: Sequence[str] | None = None, n_tokens: int = 64, temperature: float = 0.0,
+                    threads: int | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """Measure the profile (see the module doc); returns the object :func:`write_profile` stores."""
+    from ..runtime.verifier import SplitModel
+    from ..speculative import autotree
+    from ..speculative.engine import Engine, Stats, TreeShape, n_seq_max_for, reserve_for
+    from ..speculative.sampling import SamplingParams
+
+    split = Path(split)
+    if n_tokens < 1:
+        raise InvalidOptionError(f"-n: {n_tokens} is not a positive integer")
+    if not temperature >= 0:
+        raise InvalidOptionError(f"--temp: {temperature} is negative")
+    prompts = list(prompts) if prompts else list(autotree.CALIBRATION_PROMPTS)
+    fp = _base_fingerprint(split)
+    shapes = [TreeShape(0, 1, 1) if n == 0 else TreeShape.for_nodes(n) for n in nodes]
+    room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes))
+    say = log or (lambda s: None)
+    sm = SplitModel(split, n_ctx=max(256, 64 + n_tokens * 2), n_batch=max(64, room.nodes + 8),
+                    n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=threads)
+    rows = []
+    t_start = time.monotonic()
+    try:
+        toks = [sm.model.tokenize(p) for p in prompts]
+        for shape in shapes:
+            kernel = sm.residual.choose_decode_kernel(max(2, shape.nodes + 1))
+            eng = Engine(sm, shape)
+            st = Stats()
+            for i, t in enumerate(toks):
+                sp = SamplingParams(temperature=temperature, seed=1234 + i)
+                for _ in eng.generate(t, n_tokens, sp, is_stop=sm.model.is_eog, stats=st):
+                    pass
+                eng.reset()
+            cycles = max(st.n_verify, 1)
+            row = {"nodes": shape.nodes, "width": shape.width, "rounds": shape.rounds,
+                   "tokens_per_verify": round(st.n_emitted / cycles, 4),
+                   "ms_per_verify": round(1000 * st.verify_seconds / cycles, 2),
+                   "ms_drafting_per_cycle": round(1000 * st.draft_seconds / cycles, 2),
+                   "draft_passes_per_cycle": round(st.n_draft_passes / cycles, 3),
+                   "tokens": st.n_emitted, "kernel": kernel}
+            sec = (st.verify_seconds + st.draft_seconds) / cycles
+            row["tokens_per_second"] = round(row["tokens_per_verify"] / sec, 3) if sec > 0 else 0.0
+            rows.append(row)
+            say(f"[{time.monotonic() - t_start:5.0f}s] {shape.nodes:3d} nodes: {row['tokens_per_verify']:.2f} tokens/verify, "
+                f"{row['ms_per_verify']:.0f} ms per verify pass, {row['ms_drafting_per_cycle']:.0f} ms drafting, "
+                f"{row['tokens_per_second']:.2f} tokens/s")
+        setup = autotree.setup_of(sm)
+        machine = autotree.machine_key(sm.ctx.n_threads, setup)
+    finally:
+        sm.close()
+    return {"format": PROFILE_FORMAT, "base_fingerprint": fp, "machine_key": machine, "threads": threads,
+            "prompts": prompts, "n_tokens": n_tokens, "temperature": temperature,
+            "seconds": round(time.monotonic() - t_start, 1), "profile": rows}
+
+
+def write_profile(split: str | os.PathLike[str], prof: dict) -> Path:
+    from ..errors import OutputError
+
+    path = profile_path(split)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(prof, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp.exists():
+            tmp.unlink()
+        raise OutputError(f"{path}: cannot write the profile ({e.strerror or e})") from e
+    return path
+
+
+def load_profile(split: str | os.PathLike[str], *, strict: bool = False) -> dict | None:
+    """The split's profile if it has one that belongs to its base, else None (``strict``: an
+    InputError saying why)."""
+    path = profile_path(split)
+    if not path.is_file():
+        if strict:
+            raise InputError(f"{path}: no acceptance profile (make one with 'bitsplit profile {split}')")
+        return None
+    try:
+        prof = json.loads(path.read_text())
+        ok = (prof.get("format") == PROFILE_FORMAT and isinstance(prof.get("profile"), list) and prof["profile"]
+              and all({"nodes", "tokens_per_verify", "ms_per_verify", "ms_drafting_per_cycle",
+                       "draft_passes_per_cycle"} <= set(r) for r in prof["profile"]))
+    except (OSError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        if strict:
+            raise InputError(f"{path}: not an acceptance profile of this bitsplit (remake it with 'bitsplit profile')")
+        return None
+    if prof.get("base_fingerprint") != _base_fingerprint(Path(split)):
+        if strict:
+            raise InputError(f"{path}: measured on another base.gguf (remake it with 'bitsplit profile')")
+        return None
+    return prof
+
+
+def load_profile_file(path: str | os.PathLike[str]) -> dict:
+    """A profile given by path (a profile.json, or a split directory holding one), for ``plan``."""
+    p = Path(path)
+    if p.is_dir():
+        return load_profile(p, strict=True)
+    if not p.is_file():
+        raise InputError(f"{p}: profile not found")
+    try:
+        prof = json.loads(p.read_text())
+        rows = prof["profile"]
+        for r in rows:
+            float(r["tokens_per_verify"]), int(r["nodes"]), float(r["draft_passes_per_cycle"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InputError(f"{p}: not an acceptance profile (make one with 'bitsplit profile SPLIT')") from None
+    return prof

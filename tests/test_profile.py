@@ -1,0 +1,124 @@
+"""`bitsplit profile`: tokens per verify against tree size, written next to the split, and read by
+--tree-nodes auto and `bitsplit plan`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from bitsplit_llama.cli import main
+from bitsplit_llama.speculative.generate import Generator
+from bitsplit_llama.speculative.sampling import SamplingParams
+from bitsplit_llama.tools.profile import PROFILE_FILE, load_profile, measure_profile, write_profile
+
+PROMPTS = ["the cat of the house is", "what do we do with"]
+
+
+@pytest.fixture()
+def split(tmp_path, tiny_split):
+    """A private copy of the tiny split (a profile written into the shared one would change the
+    other tests' automatic trees)."""
+    d = tmp_path / "split"
+    d.mkdir()
+    for f in ("base.gguf", "residual.gguf"):
+        shutil.copy(tiny_split / f, d / f)
+    return d
+
+
+def test_profile_measures_sizes_and_writes_them(split, capsys):
+    code = main(["profile", str(split), "--nodes", "0,1,4", "-n", "12", "--prompts", _prompts(split), "--json"])
+    assert code == 0
+    obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = obj["profile"]
+    assert [r["nodes"] for r in rows] == [0, 1, 4]
+    assert rows[0]["tokens_per_verify"] == 1.0 and rows[0]["draft_passes_per_cycle"] == 0
+    for r in rows[1:]:
+        # a tree of n nodes emits between 1 and n + 1 tokens per verification, with drafter passes
+        assert 1.0 <= r["tokens_per_verify"] <= r["nodes"] + 1 and r["draft_passes_per_cycle"] > 0
+        assert r["ms_per_verify"] > 0 and 0 < r["tokens"] == rows[0]["tokens"]  # greedy: the same tokens
+    on_disk = json.loads((split / PROFILE_FILE).read_text())
+    assert on_disk["profile"] == rows and load_profile(split) is not None
+
+
+def _prompts(split) -> str:
+    p = split.parent / "prompts.json"
+    p.write_text(json.dumps(PROMPTS))
+    return str(p)
+
+
+def _fake(split, key: str, best: int) -> None:
+    """A profile of this split whose size ``best`` is by far the fastest."""
+    prof = measure_profile(split, nodes=[0, 1, 4], prompts=PROMPTS[:1], n_tokens=4)
+    for r in prof["profile"]:
+        r["tokens_per_verify"] = 20.0 if r["nodes"] == best else 1.0
+        r["ms_per_verify"], r["ms_drafting_per_cycle"] = 10.0, 1.0
+    prof["machine_key"] = key
+    write_profile(split, prof)
+
+
+def test_auto_tree_picks_the_measured_best_size(split, tmp_path, monkeypatch):
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path / "cache"))
+    prof = measure_profile(split, nodes=[0], prompts=PROMPTS[:1], n_tokens=2)
+    for best in (4, 1):
+        _fake(split, prof["machine_key"], best)
+        with Generator(split, n_ctx=256, tree_nodes="auto") as g:
+            assert g.shape.nodes == best and g.auto_choice["from"] == "acceptance profile (its times)"
+            # and the chosen tree keeps the verifier's tokens
+            ids = g.tokenize(PROMPTS[0])
+            spec = [t for c in g.engine.generate(ids, 16, SamplingParams()) for t in c]
+            g.engine.reset()
+            plain = [t for c in g.engine.generate(ids, 16, SamplingParams(), speculative=False) for t in c]
+            assert spec == plain
+    # measured on another machine: its acceptance, this machine's cost curves (measured once, cached)
+    _fake(split, "elsewhere", 4)
+    with Generator(split, n_ctx=256, tree_nodes="auto") as g:
+        assert g.shape.nodes == 4 and "cost curves" in g.auto_choice["from"]
+    assert list((tmp_path / "cache" / "autotree").glob("*.json"))
+
+
+def test_profile_of_another_base_is_ignored(split, tmp_path, monkeypatch, tiny_split):
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path / "cache"))
+    prof = measure_profile(split, nodes=[0, 1], prompts=PROMPTS[:1], n_tokens=2)
+    prof["base_fingerprint"] = "0" * 16
+    write_profile(split, prof)
+    assert load_profile(split) is None
+    with Generator(split, n_ctx=256, tree_nodes="auto") as g:
+        assert g.auto_choice["from"] == "rank model"
+    (split / PROFILE_FILE).write_text("{not json")
+    assert load_profile(split) is None
+
+
+def test_plan_reads_the_profile(split, capsys):
+    prof = measure_profile(split, nodes=[0, 1, 4], prompts=PROMPTS[:1], n_tokens=4)
+    for r in prof["profile"]:
+        r["tokens_per_verify"] = {0: 1.0, 1: 1.5, 4: 4.5}[r["nodes"]]
+    write_profile(split, prof)
+    assert main(["plan", str(split), "--gpu", "none", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert p["tree_nodes"] == 4 and p["bitsplit"]["tokens_per_verify"] == 4.5
+    assert "acceptance profile" in p["bitsplit"]["tokens_per_verify_source"]
+    assert [s["nodes"] for s in p["tree_sizes"]] == [1, 4]
+    # a preset planned with a measured profile
+    assert main(["plan", "qwen2.5-32b", "--vram", "24", "--ram-bandwidth", "60", "--cpu-cores", "16",
+                 "--profile", str(split / PROFILE_FILE), "--json"]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert p["tree_nodes"] in (1, 4) and "acceptance profile" in p["bitsplit"]["tokens_per_verify_source"]
+
+
+@pytest.mark.parametrize("args,code,fragment", [
+    (["profile", "{s}", "--nodes", "1,x"], 2, "--nodes: '1,x'"),
+    (["profile", "{s}", "--nodes", "300"], 2, "each size must be 0 to 256"),
+    (["profile", "{s}", "-n", "0"], 2, "-n: 0"),
+    (["profile", "{t}/nowhere"], 1, "model directory not found"),
+    (["plan", "qwen2.5-32b", "--vram", "24", "--profile", "{t}/none.json"], 1, "profile not found"),
+    (["plan", "qwen2.5-32b", "--vram", "24", "--profile", "{t}/bad.json"], 1, "not an acceptance profile"),
+    (["plan", "qwen2.5-32b", "--vram", "24", "--profile", "{s}"], 1, "no acceptance profile"),
+])
+def test_errors(split, tmp_path, capsys, args, code, fragment):
+    (tmp_path / "bad.json").write_text('{"profile": [{"nodes": 1}]}')
+    got = main([a.format(s=split, t=tmp_path) for a in args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert got == code and len(err) == 1 and fragment in err[0], (got, err)
+    assert not (split / PROFILE_FILE).exists()
