@@ -239,6 +239,21 @@ def test_disk_full_predicted(tiny_f32, tmp_path, monkeypatch):
     _no_outputs(tmp_path / "out")
 
 
+def test_disk_full_predicted_counts_the_whole_layers_copy(tiny_f32, tmp_path, monkeypatch):
+    """With whole layers the base is written twice (quantized, then with the kept layers): a disk
+    with room for a plain split only is refused before anything is written."""
+    import bitsplit_llama.formats.split as sp
+
+    with GGUFFile(tiny_f32) as g:
+        n_params = sum(t.n_elements for t in g.tensors)
+    plain = int(n_params * 12 / 8) + (64 << 20)
+    monkeypatch.setattr(sp.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(plain * 4, plain * 2, plain + 1))
+    split_model(tiny_f32, tmp_path / "plain", threads=2)  # fits
+    with pytest.raises(OutputError, match="disk full"):
+        split_model(tiny_f32, tmp_path / "out", threads=2, keep_layers=1)
+    _no_outputs(tmp_path / "out")
+
+
 def test_disk_full_during_write(tiny_f32, tmp_path, monkeypatch):
     from bitsplit_llama.formats import gguf_file
 
@@ -510,3 +525,22 @@ def test_cli_split_keep_layers_reports_placement(tiny_f32, tmp_path):
                            "--keep-layers", "1", "--vram", "8"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "give one" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     _no_outputs(tmp_path / "o2")
+
+
+@pytest.mark.parametrize("value,fragment", [
+    (b"x", "not a list of layer numbers"),
+    (b"7", "names layer 7, the model has layers 0 to 1"),
+    (b"1", "layer 1 is whole in the base, but the residual holds tensors of it"),
+])
+def test_info_refuses_a_corrupt_kept_layers_record(tiny_f32, tmp_path, value, fragment):
+    """bitsplit.kept_layers is checked when read: layer numbers of the model, none with a residual."""
+    out = tmp_path / "s"
+    split_model(tiny_f32, out, threads=2, keep_layers=1)
+    res = out / "residual.gguf"
+    data = res.read_bytes()
+    key = b"bitsplit.kept_layers"
+    at = data.index(key) + len(key) + 4 + 8  # value type (u32), string length (u64), then "0"
+    assert data[at:at + 1] == b"0"
+    res.write_bytes(data[:at] + value + data[at + 1:])
+    with pytest.raises(InputError, match=fragment):
+        split_info(out)

@@ -143,17 +143,27 @@ def split_info(model_dir: str | os.PathLike[str]) -> SplitInfo:
             fallbacks=int(res.kv.get("bitsplit.fallback_count", 0)),
             fingerprint_ok=fp_ok, source_file=str(res.kv.get("bitsplit.source.file", "?")),
             base_fingerprint=str(res.kv.get("bitsplit.base_fingerprint", "")),
-            n_layers=n_layers(base), kept_layers=_kept_layers(res),
+            n_layers=n_layers(base), kept_layers=_kept_layers(res, n_layers(base)),
         )
 
 
-def _kept_layers(res: GGUFFile) -> list[int]:
-    """The layers the split left whole (none for splits made before it recorded them)."""
+def _kept_layers(res: GGUFFile, n_layer: int) -> list[int]:
+    """The layers the split left whole (none for splits made before it recorded them), each checked:
+    a layer of the model, with no tensor in the residual."""
     value = res.kv.get(KEPT_LAYERS_KEY, "")
     try:
-        return sorted(int(x) for x in str(value).split(",") if x.strip())
+        layers = sorted(int(x) for x in str(value).split(",") if x.strip())
     except ValueError:
         raise InputError(f"{res.path}: {KEPT_LAYERS_KEY} is {value!r}, not a list of layer numbers") from None
+    bad = [x for x in layers if not 0 <= x < n_layer]
+    if bad:
+        raise InputError(f"{res.path}: {KEPT_LAYERS_KEY} names layer {bad[0]}, the model has layers 0 to {n_layer - 1}")
+    with_residual = sorted({int(t.name.split(".")[1]) for t in res.tensors
+                            if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()} & set(layers))
+    if with_residual:
+        raise InputError(f"{res.path}: {KEPT_LAYERS_KEY} says layer {with_residual[0]} is whole in the base, but the "
+                         "residual holds tensors of it")
+    return layers
 
 
 @dataclass

@@ -348,8 +348,15 @@ def split_model(
             raise InvalidOptionError(f"--keep-layers {keep_layers}: {source} has {n_layer} layers")
         _prepare_out_dir(out_dir, force)
         n_params = sum(t.n_elements for t in src.tensors)
-        # Q2_K mix ~3.3 bpw, residual up to 8.5 bpw (Q8_0): refuse early rather than fail half-way
-        _check_space(out_dir, int(n_params * (3.5 + 8.5) / 8) + (64 << 20))
+        # Q2_K mix ~3.3 bpw, residual up to 8.5 bpw (Q8_0), and with whole layers a second copy of the
+        # base while it is rewritten (kept layers up to Q8_0, at most --vram of them): refuse early
+        # rather than fail half-way
+        whole_copy = 0.0
+        if keep_layers:
+            whole_copy = n_params * (3.5 + 5.0 * keep_layers / max(n_layer, 1)) / 8
+        elif vram_gb is not None:
+            whole_copy = min(n_params * 3.5 / 8 + vram_gb * 1e9, n_params * 8.5 / 8)
+        _check_space(out_dir, int(n_params * (3.5 + 8.5) / 8 + whole_copy) + (64 << 20))
 
         tag = f".bitsplit-{os.getpid()}.tmp"
         base_tmp = out_dir / (".base" + tag)
