@@ -3,7 +3,7 @@ chains, against a separate-KV drafter baseline, greedy and sampled; and whether 
 output equals verifier-alone output (with the top-2 margin at any first divergence).
 
     python bench/engine_acceptance.py SPLIT_DIR [--n 128] [--prompts FILE] [--temps 0,0.7]
-        [--configs tree16,chain4,chain8,separate_kv_tree16] [--json OUT]
+        [--configs tree16,chain4,chain8,separate_kv_tree16] [--json OUT] [--threads N]
 
 Configurations: tree of 16 (width 4, 7 rounds), of 32, 64, 128 and 256 nodes (TreeShape.for_nodes: 10
 to 24 rounds, width 5 to 16), chains of 1, 4 and 8, and the tree of 16 drafted by
@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--configs", default="tree16,chain4,chain8,separate_kv_tree16",
                     help=f"comma-separated, from: {', '.join(CONFIGS)}, separate_kv_tree16")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="threads (default: all cores); 1 lets two runs share "
+                    "a 2-core machine without their thread pools spinning against each other")
     a = ap.parse_args()
     prompts = load_prompts(a.prompts) if a.prompts else DEFAULT_PROMPTS[:10]
     temps = [float(t) for t in a.temps.split(",")]
@@ -73,10 +75,11 @@ def main() -> None:
     n_batch = max(64, room.nodes + 1, n_seq_max_for(room))
     # llama.cpp's own kernels draft in both set-ups, so that the separate-KV baseline differs only by its KV
     sm = SplitModel(a.split, n_ctx=1024, n_batch=n_batch, n_seq_max=n_seq_max_for(room), reserve=reserve_for(room),
+                    n_threads=a.threads,
                     fast_drafter=False)
     # the separate drafter's own context (and its KV cache) only when that baseline is asked for
     dctx = (Context(sm.model, n_ctx=1024, n_batch=max(64, n_seq_max_for(room)), n_seq_max=n_seq_max_for(room),
-                    reserve=reserve_for(room))
+                    reserve=reserve_for(room), n_threads=a.threads)
             if "separate_kv_tree16" in configs else None)
     results: dict = {"split": str(a.split), "n": a.n, "prompts": prompts, "runs": {}}
     t_start = time.time()

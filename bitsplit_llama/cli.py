@@ -97,7 +97,10 @@ def _types(d: dict[str, int]) -> str:
 def split(
     src: Path = typer.Argument(..., help="Source GGUF (F32/F16/BF16/Q8_0/K-quants/Q4_x/Q5_x)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output directory for base.gguf and residual.gguf."),
-    residual: str = typer.Option("q6_k", "--residual", help="Residual type: q4_k, q5_k, q6_k, q8_0 (or f16, f32)."),
+    residual: str = typer.Option("q6_k", "--residual", help="Residual type: q4_k, q5_k, q6_k, q8_0 (or f16, f32), or auto: "
+                                 "a type per tensor, the least error for --residual-bpw."),
+    residual_bpw: Optional[float] = typer.Option(None, "--residual-bpw", help="With --residual auto: the residual's "
+                                                 "bits per weight (4.5 = all Q4_K ... 8.5 = all Q8_0)."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the Q2_K base (`bitsplit imatrix` "
                                            "or llama-imatrix output), or 'auto': computed from SRC on the calibration "
                                            "text shipped with bitsplit (cached). Default: none."),
@@ -118,16 +121,17 @@ def split(
 
     if imatrix is not None and str(imatrix) == "auto":
         from .formats import placement
-        from .formats.split import parse_residual_type
+        from .formats.split import check_residual_bpw, parse_residual_type
         from .tools.imatrix import auto_imatrix
 
         parse_residual_type(residual)  # bad options fail before the minutes the matrix takes
+        check_residual_bpw(residual, residual_bpw)
         placement.check_options(keep_layers, vram, n_ctx)
         imatrix = auto_imatrix(src, threads=threads, progress=make_progress(quiet or as_json),
                                log=None if quiet or as_json else lambda s: print(s, file=sys.stderr, flush=True))
     restore = install_sigterm_handler()
     try:
-        rep = split_model(src, out, residual=residual, imatrix=imatrix, threads=threads, force=force,
+        rep = split_model(src, out, residual=residual, residual_bpw=residual_bpw, imatrix=imatrix, threads=threads, force=force,
                           progress=make_progress(quiet or as_json), keep_layers=keep_layers, vram_gb=vram, n_ctx=n_ctx)
     finally:
         restore()

@@ -38,6 +38,8 @@ CASES = [
     (["split", "{t}/trunc.gguf", "-o", "{t}/o"], 1, "truncated GGUF"),
     (["split", "{src}", "-o", "{t}/o", "--residual", "q3_k"], 2, "unknown residual type 'q3_k'"),
     (["split", "{src}", "-o", "{t}/o", "--threads", "0"], 2, "--threads: 0"),
+    (["split", "{src}", "-o", "{t}/o", "--residual", "auto"], 2, "give the budget with --residual-bpw"),
+    (["split", "{src}", "-o", "{t}/o", "--residual-bpw", "5"], 2, "--residual-bpw: only with --residual auto"),
     (["split", "{src}", "-o", "{t}/o", "--threads", "many"], 2, "--threads"),
     (["split", "{src}"], 2, "Missing option '-o'"),
     (["split"], 2, "Missing argument"),

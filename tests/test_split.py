@@ -36,6 +36,10 @@ def reconstruction_bound(d: np.ndarray, rtype: int) -> np.ndarray:
         amax = np.abs(d.reshape(-1, 256)).max(1, keepdims=True)
         b = amax * 0.05 + 127 * 32 * 2.0**-25 + 1e-7
         return np.broadcast_to(b, (amax.shape[0], 256)).reshape(d.shape)
+    if rtype in (QT.Q4_K, QT.Q5_K):  # 8 sub-blocks of 32 with 6-bit scales and mins, 4 or 5 bits each
+        amax = np.abs(d.reshape(-1, 256)).max(1, keepdims=True)
+        b = amax * (0.2 if rtype == QT.Q4_K else 0.1) + 127 * 32 * 2.0**-25 + 1e-7
+        return np.broadcast_to(b, (amax.shape[0], 256)).reshape(d.shape)
     if rtype == QT.F16:
         return np.abs(d) * 2.0**-10 + 1e-7
     return np.abs(d) * 1e-6 + 1e-9
@@ -544,3 +548,72 @@ def test_info_refuses_a_corrupt_kept_layers_record(tiny_f32, tmp_path, value, fr
     res.write_bytes(data[:at] + value + data[at + 1:])
     with pytest.raises(InputError, match=fragment):
         split_info(out)
+
+
+def _recon_error(src_path: Path, out: Path) -> float:
+    total = 0.0
+    with GGUFFile(src_path) as s, GGUFFile(out / "base.gguf") as b, GGUFFile(out / "residual.gguf") as r:
+        for t in r.tensors:
+            total += float(((full(s, t.name) - full(b, t.name) - full(r, t.name)) ** 2).sum())
+    return total
+
+
+def test_residual_auto_meets_the_budget_and_spends_it_well(tiny_f32, tmp_path):
+    """--residual auto: each tensor gets one of Q4_K..Q8_0, the residual stays within the bits per
+    weight asked, reconstructs the source within each chosen type's bound, and a larger budget never
+    makes the weights worse; the verifier runs on the mixed types."""
+    from bitsplit_llama.runtime.verifier import SplitModel
+
+    errors = []
+    for bpw in (4.5, 5.0, 5.5, 6.6, 8.5):
+        out = tmp_path / f"auto-{bpw}"
+        rep = split_model(tiny_f32, out, residual="auto", residual_bpw=bpw, threads=2)
+        assert rep.residual_bpw <= bpw + 1e-6, (bpw, rep.residual_bpw)
+        assert set(rep.residual_types) <= {"Q4_K", "Q5_K", "Q6_K", "Q8_0"}
+        assert assert_reconstructs(tiny_f32, out) == len(rep.residual_tensors)
+        errors.append(_recon_error(tiny_f32, out))
+        info = split_info(out)
+        assert info.residual_type == "auto"
+    assert all(a >= b for a, b in zip(errors, errors[1:])), errors
+    assert errors[0] > errors[-1]
+    assert split_info(tmp_path / "auto-4.5").residual_types == {"Q4_K": len(rep.residual_tensors)}
+    assert split_info(tmp_path / "auto-8.5").residual_types == {"Q8_0": len(rep.residual_tensors)}
+    assert len(split_info(tmp_path / "auto-5.5").residual_types) > 1  # a real mix in between
+    sm = SplitModel(tmp_path / "auto-5.5", n_ctx=64)
+    try:
+        with sm.verifying() as ctx:
+            ctx.decode([1, 300, 301], [0, 1, 2])
+            assert np.isfinite(ctx.logits(3)).all()
+    finally:
+        sm.close()
+
+
+def test_residual_auto_follows_the_importance_matrix(tiny_f32, tmp_path):
+    """Columns an importance matrix says matter make their tensor's error count: with one tensor
+    weighted a million times the others, a tight budget gives it the best type."""
+    from bitsplit_llama.formats.imatrix import write_imatrix
+
+    with GGUFFile(tiny_f32) as g:
+        names = [t.name for t in g.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+        widths = {t.name: t.n_per_row for t in g.tensors}
+    heavy = "blk.1.ffn_up.weight"
+    entries = {n: (np.full((1, widths[n]), 1e6 if n == heavy else 1.0), np.array([1.0])) for n in names}
+    write_imatrix(tmp_path / "im.gguf", entries, architecture="llama", datasets=["x"], chunk_count=1, chunk_size=1)
+    plain = split_model(tiny_f32, tmp_path / "plain", residual="auto", residual_bpw=5.0, threads=2)
+    weighted = split_model(tiny_f32, tmp_path / "w", residual="auto", residual_bpw=5.0, threads=2,
+                           imatrix=tmp_path / "im.gguf")
+    kind = {r.name: r.residual_type for r in weighted.residual_tensors}
+    assert kind[heavy] == int(QT.Q8_0)
+    assert {r.name: r.residual_type for r in plain.residual_tensors}[heavy] != int(QT.Q8_0)
+
+
+@pytest.mark.parametrize("kw,fragment", [
+    ({"residual": "auto"}, "give the budget with --residual-bpw"),
+    ({"residual": "q6_k", "residual_bpw": 5.0}, "only with --residual auto"),
+    ({"residual": "auto", "residual_bpw": 3.0}, "--residual-bpw: 3.0 is outside 4.5"),
+    ({"residual": "auto", "residual_bpw": 9.0}, "is outside"),
+])
+def test_residual_auto_options_refused(tiny_f32, tmp_path, kw, fragment):
+    with pytest.raises(InvalidOptionError, match=fragment):
+        split_model(tiny_f32, tmp_path / "out", threads=2, **kw)
+    assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ names only once complete.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import heapq
 import json
 import math
 import os
@@ -139,11 +140,115 @@ def residual_type_for(n_per_row: int, wanted: int) -> int:
         t = _FALLBACK.get(t, int(QT.F16))
 
 
+#: ``--residual auto``: a type per tensor, to a bits-per-weight budget (:func:`choose_auto_types`)
+AUTO = -1
+AUTO_TYPES = (int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K), int(QT.Q8_0))
+#: rows of each tensor whose quantization error ``auto`` measures (spread over the tensor)
+AUTO_SAMPLE_ROWS = 128
+
+
 def parse_residual_type(name: str) -> int:
     key = name.lower()
+    if key == "auto":
+        return AUTO
     if key not in RESIDUAL_TYPES:
-        raise InvalidOptionError(f"--residual: unknown residual type '{name}' (expected one of: {', '.join(RESIDUAL_TYPES)})")
+        raise InvalidOptionError(f"--residual: unknown residual type '{name}' (expected one of: "
+                                 f"{', '.join(RESIDUAL_TYPES)}, auto)")
     return RESIDUAL_TYPES[key]
+
+
+def check_residual_bpw(residual: str, bpw: float | None) -> None:
+    """``--residual-bpw`` goes with ``--residual auto``, and only there."""
+    if residual.lower() == "auto":
+        if bpw is None:
+            raise InvalidOptionError("--residual auto: give the budget with --residual-bpw (e.g. 5.5)")
+        lo, hi = _ggml.row_size(int(QT.Q4_K), 256) * 8 / 256, _ggml.row_size(int(QT.Q8_0), 256) * 8 / 256
+        if not lo <= bpw <= hi:
+            raise InvalidOptionError(f"--residual-bpw: {bpw} is outside {lo:g} (all Q4_K) to {hi:g} (all Q8_0)")
+    elif bpw is not None:
+        raise InvalidOptionError(f"--residual-bpw: only with --residual auto (--residual is {residual})")
+
+
+def _auto_weights(imat: dict[str, np.ndarray] | None, name: str, n_per_row: int) -> np.ndarray | None:
+    v = (imat or {}).get(name)
+    if v is None:
+        return None
+    if v.size == n_per_row:
+        return v.astype(np.float64)
+    if v.size % n_per_row == 0:  # experts: their mean
+        return v.reshape(-1, n_per_row).mean(axis=0).astype(np.float64)
+    return None
+
+
+def choose_auto_types(src: GGUFFile, base: GGUFFile, plan: list[ResidualTensor], bpw: float,
+                      imatrix: Path | None = None, progress: Progress | None = None) -> dict:
+    """Pick each planned tensor's residual type among Q4_K, Q5_K, Q6_K and Q8_0 so that the residual
+    holds at most ``bpw`` bits per weight and the summed error is smallest. A tensor's error for a
+    type is the squared error of its quantized residual on AUTO_SAMPLE_ROWS rows spread over it,
+    scaled to all its rows, each column weighted by the importance matrix where one is given (the
+    expected squared error of the product's output for activations of those mean squares). Greedy
+    by error saved per byte, from all Q4_K up. Returns a report of the choice; ``plan`` is updated."""
+    imat = None
+    if imatrix is not None:
+        from .imatrix import load_imatrix
+
+        imat = load_imatrix(imatrix)
+    if progress:
+        progress.phase("residual: choosing types (auto)", len(plan), 0)
+    options: list[list[tuple[int, int, float]]] = []  # per tensor: (type, bytes, error), bytes ascending
+    for r in plan:
+        st, bt = src.tensor(r.name), base.tensor(r.name)
+        n_rows, k = st.n_rows, st.n_per_row
+        blocks = 4
+        per = max(1, min(AUTO_SAMPLE_ROWS // blocks, n_rows // blocks or 1))
+        starts = sorted({int(x) for x in np.linspace(0, max(n_rows - per, 0), blocks)})
+        rows = np.concatenate([_residual_rows(src, st, base, bt, a, min(per, n_rows - a)) for a in starts])
+        w = _auto_weights(imat, r.name, k)
+        types = sorted({residual_type_for(k, t) for t in AUTO_TYPES}, key=lambda t: _ggml.row_size(t, k))
+        opts = []
+        for t in types:
+            deq = _ggml.dequantize_rows(_ggml.quantize_rows(rows, t), t, k)
+            d = (rows.astype(np.float64) - deq) ** 2
+            err = float((d * w).sum() if w is not None else d.sum()) * n_rows / rows.shape[0]
+            opts.append((t, _ggml.row_size(t, k) * n_rows, err))
+        options.append(opts)
+        if progress:
+            progress.advance(tensors=1)
+    n_weights = sum(math.prod(r.shape) for r in plan)
+    budget = bpw / 8 * n_weights
+    level = [0] * len(plan)
+    used = sum(o[0][1] for o in options)
+    heap = []
+
+    def push(i: int) -> None:
+        j = level[i]
+        if j + 1 < len(options[i]):
+            (_, b0, e0), (_, b1, e1) = options[i][j], options[i][j + 1]
+            heapq.heappush(heap, (-(e0 - e1) / max(b1 - b0, 1), i, j))
+
+    for i in range(len(plan)):
+        push(i)
+    while heap:
+        _, i, j = heapq.heappop(heap)
+        if level[i] != j:
+            continue
+        extra = options[i][j + 1][1] - options[i][j][1]
+        if used + extra > budget:
+            continue  # this step does not fit; a cheaper one elsewhere may
+        used += extra
+        level[i] = j + 1
+        push(i)
+    for r, opts, j in zip(plan, options, level):
+        r.residual_type = opts[j][0]
+        r.fallback = False
+    return {"bpw_target": bpw, "bpw": round(used * 8 / max(n_weights, 1), 4),
+            "error": sum(o[j][2] for o, j in zip(options, level)), "weighted": imat is not None}
+
+
+def _residual_rows(src: GGUFFile, st: TensorInfo, base: GGUFFile, bt: TensorInfo, start: int, count: int) -> np.ndarray:
+    s = _ggml.dequantize_rows(src.read_rows(st, start, count), st.ggml_type, st.n_per_row)
+    b = _ggml.dequantize_rows(base.read_rows(bt, start, count), bt.ggml_type, bt.n_per_row)
+    return np.ascontiguousarray(s - b, dtype=np.float32)
 
 
 def _peak_rss(who: int) -> int:
@@ -315,6 +420,7 @@ def split_model(
     keep_layers: int | None = None,
     vram_gb: float | None = None,
     n_ctx: int = 4096,
+    residual_bpw: float | None = None,
 ) -> SplitReport:
     """Split ``source`` into ``out_dir/base.gguf`` + ``out_dir/residual.gguf``; see the module doc.
 
@@ -329,6 +435,7 @@ def split_model(
     t0 = time.monotonic()
     source, out_dir = Path(source), Path(out_dir)
     wanted = parse_residual_type(residual)
+    check_residual_bpw(residual, residual_bpw)
     if base_ftype not in FTYPES:
         raise InvalidOptionError(f"base type '{base_ftype}' unknown (expected one of: {', '.join(FTYPES)})")
     threads = _ggml.cpu_count() if threads is None else threads
@@ -383,7 +490,7 @@ def split_model(
 
             t_res = time.monotonic()
             plan, exact = _make_residual(src, base_tmp, res_tmp, wanted, residual.lower(), base_ftype, imatrix_path,
-                                         threads, progress, sorted(layers))
+                                         threads, progress, sorted(layers), residual_bpw)
             with GGUFFile(base_tmp, role="base") as base:
                 base_types = dict(Counter(t.type_name for t in base.tensors))
                 base_bytes = sum(t.nbytes for t in base.tensors)
@@ -417,13 +524,17 @@ def split_model(
 
 def _make_residual(src: GGUFFile, base_path: Path, res_path: Path, wanted: int, residual: str, base_ftype: str,
                    imatrix: Path | None, threads: int, progress: Progress | None,
-                   kept_layers: list[int] | None = None) -> tuple[list[ResidualTensor], int]:
+                   kept_layers: list[int] | None = None, residual_bpw: float | None = None
+                   ) -> tuple[list[ResidualTensor], int]:
     with GGUFFile(base_path, role="base") as base:
-        plan, exact = _plan_residuals(src, base, wanted, frozenset(kept_layers or ()))
+        plan, exact = _plan_residuals(src, base, int(QT.Q6_K) if wanted == AUTO else wanted,
+                                      frozenset(kept_layers or ()))
+        if wanted == AUTO:
+            choose_auto_types(src, base, plan, residual_bpw, imatrix, progress)
         res_bytes_est = sum(_ggml.row_size(r.residual_type, r.shape[0]) * math.prod(r.shape[1:]) for r in plan)
         _check_space(res_path.parent, res_bytes_est + (16 << 20))
         _write_residual(res_path, src, base, plan, residual, fingerprint(base), fingerprint(src), base_ftype,
-                        imatrix, threads, progress, kept_layers or [])
+                        imatrix, threads, progress, kept_layers or [], residual_bpw)
     return plan, exact
 
 
@@ -452,11 +563,13 @@ def _fsync_dir(d: Path) -> None:
 
 def _write_residual(path: Path, src: GGUFFile, base: GGUFFile, plan: list[ResidualTensor], residual: str,
                     base_fp: str, src_fp: str, base_ftype: str, imatrix: Path | None, threads: int,
-                    progress: Progress | None, kept_layers: list[int]) -> None:
+                    progress: Progress | None, kept_layers: list[int], residual_bpw: float | None = None) -> None:
     w = StreamingGGUFWriter(path, arch="bitsplit-residual")
     kv = w.kv
     kv.add_uint32("bitsplit.format_version", FORMAT_VERSION)
     kv.add_string("bitsplit.residual_type", residual)
+    if residual == "auto":
+        kv.add_float32("bitsplit.residual_bpw_target", float(residual_bpw))
     kv.add_string("bitsplit.base_type", base_ftype)
     kv.add_string("bitsplit.base_fingerprint", base_fp)
     kv.add_string("bitsplit.source.file", src.path.name)
