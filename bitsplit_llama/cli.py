@@ -100,7 +100,8 @@ def split(
     residual: str = typer.Option("q6_k", "--residual", help="Residual type: q4_k, q5_k, q6_k, q8_0 (or f16, f32), or auto: "
                                  "a type per tensor, the least error for --residual-bpw."),
     residual_bpw: Optional[float] = typer.Option(None, "--residual-bpw", help="With --residual auto: the residual's "
-                                                 "bits per weight (4.5 = all Q4_K ... 8.5 = all Q8_0)."),
+                                                 "bits per weight over the weights it corrects (4.5 = all Q4_K ... 8.5 "
+                                                 "= all Q8_0; the bpw split prints divides by all weights)."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the Q2_K base (`bitsplit imatrix` "
                                            "or llama-imatrix output), or 'auto': computed from SRC on the calibration "
                                            "text shipped with bitsplit (cached). Default: none."),
@@ -143,7 +144,8 @@ def split(
           f"{_fmt_bytes(rep.peak_rss_bytes)} (quantizer {_fmt_bytes(rep.quantizer_peak_rss_bytes)})")
     print(f"  base.gguf      {_fmt_bytes(rep.base_bytes):>10}  {rep.base_bpw:5.2f} bpw  {_types(rep.base_types)}")
     print(f"  residual.gguf  {_fmt_bytes(rep.residual_bytes):>10}  {rep.residual_bpw:5.2f} bpw  {_types(rep.residual_types)}")
-    print(f"  {len(rep.residual_tensors)} residual tensors, {rep.exact_tensors} kept exact by the base, "
+    print(f"  {len(rep.residual_tensors)} residual tensors ({rep.residual_bpw_corrected:.2f} bpw over the weights they "
+          f"correct), {rep.exact_tensors} kept exact by the base, "
           f"{rep.fallbacks} width fallbacks")
     print(f"  placement: {_placement(rep.kept_layers, rep.n_layers)}")
     if rep.vram_budget is not None:

@@ -114,6 +114,13 @@ class SplitReport(BitsPerWeight):
     n_layers: int = 0
     vram_budget: dict | None = None
 
+    @property
+    def residual_bpw_corrected(self) -> float:
+        """Bits per weight of the residual over the weights it corrects (the scale of the types and
+        of --residual-bpw: Q4_K 4.5 ... Q8_0 8.5); residual_bpw divides by all the model's weights."""
+        n = sum(math.prod(r.shape) for r in self.residual_tensors)
+        return 8 * self.residual_bytes / max(1, n)
+
     def to_json(self) -> dict:
         return {
             "source": str(self.source), "out_dir": str(self.out_dir), "base": str(self.base_path),
@@ -123,6 +130,7 @@ class SplitReport(BitsPerWeight):
             "quantizer_peak_rss_bytes": self.quantizer_peak_rss_bytes, "n_params": self.n_params,
             "base_bytes": self.base_bytes, "residual_bytes": self.residual_bytes,
             "base_bpw": round(self.base_bpw, 4), "residual_bpw": round(self.residual_bpw, 4),
+            "residual_bpw_corrected": round(self.residual_bpw_corrected, 4),
             "base_types": self.base_types, "residual_types": self.residual_types,
             "fallbacks": self.fallbacks, "exact_tensors": self.exact_tensors,
             "placement": {"layers": self.n_layers, "kept_whole": self.kept_layers, "vram_budget": self.vram_budget},
