@@ -460,6 +460,8 @@ def plan(
                                            "JSON gives the measured draft_passes_per_verify)."),
     verify_rows: int = typer.Option(17, "--verify-rows", help="Rows of a verification pass (tree nodes + 1)."),
     cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="CPU cores computing the residual (default: this machine's)."),
+    keep_layers: Optional[int] = typer.Option(None, "--keep-layers", help="At most this many layers whole on the GPU "
+                                              "(default: as many as fit beside the base; 0: split every layer)."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="An acceptance profile (`bitsplit profile`: a split "
                                            "directory or its profile.json): tokens per verify and drafter passes per "
                                            "tree size, measured; the best size is planned. A split directory given as "
@@ -494,6 +496,8 @@ def plan(
     if gpu == "none":
         if vram is not None:
             raise InvalidOptionError("--vram with --gpu none: there is no GPU to fill; leave --vram out")
+        if keep_layers is not None:
+            raise InvalidOptionError("--keep-layers with --gpu none: no GPU holds whole layers; leave it out")
         make = partial(make_cpu_plan, str(model), ram_bw=ram_bandwidth, residual=residual, cores=cpu_cores, log=_say)
     else:
         if vram is None:
@@ -502,7 +506,7 @@ def plan(
             raise InvalidOptionError(f"{model}: a split directory is planned with --gpu none; for a GPU give the "
                                      "source GGUF or a preset name")
         make = partial(make_plan, str(model), vram_gb=vram, gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth,
-                       residual=residual, n_ctx=n_ctx, cores=cpu_cores, log=_say)
+                       residual=residual, n_ctx=n_ctx, cores=cpu_cores, keep_layers=keep_layers, log=_say)
     if prof is not None:
         p = plan_with_profile(make, prof, prof_src)
     else:

@@ -104,6 +104,30 @@ def test_doctor_human_output(capsys, cache):
     assert "memory" in out and "GB/s" in out and "ggml Q6_K" in out
 
 
+def test_plan_keeps_whole_the_layers_that_fit(capsys, cache, monkeypatch):
+    """With the base on the GPU, the memory left buys whole layers (Q8_0, no residual), as split --vram
+    does: more VRAM, more layers whole, less residual in RAM and a faster projection; --keep-layers
+    caps them; a base that does not fit keeps none. The plan names the split command that makes it."""
+    from bitsplit_llama.tools import machine
+    from bitsplit_llama.tools.plan import make_plan
+
+    prof, _ = doctor(capsys)
+    monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)
+    kw = dict(ram_bw=60, cores=16, tokens_per_verify=4.0, rounds=5)
+    plans = {v: make_plan("qwen2.5-32b", vram_gb=v, **kw) for v in (12, 20, 24, 40)}
+    kept = {v: p["placement"]["kept_whole"] for v, p in plans.items()}
+    assert kept[12] == 0 and plans[12]["bitsplit"]["base_gpu_layers"] < 64  # the base alone does not fit
+    assert 0 < kept[20] < kept[24] < kept[40] == 64
+    res = [plans[v]["bitsplit"]["residual_ram_gb"] for v in (20, 24, 40)]
+    assert res[0] > res[1] > res[2] == 0
+    assert plans[24]["projected_speedup"] > plans[20]["projected_speedup"]
+    assert "--vram 24" in plans[24]["split_command"] and "--vram" not in plans[12]["split_command"]
+    capped = make_plan("qwen2.5-32b", vram_gb=24, keep_layers=3, **kw)
+    assert capped["placement"] == {"layers": 64, "kept_whole": 3, "split": 61}
+    none = make_plan("qwen2.5-32b", vram_gb=24, keep_layers=0, **kw)
+    assert none["placement"]["kept_whole"] == 0 and none["bitsplit"]["residual_ram_gb"] > res[1]
+
+
 def test_plan_takes_its_residual_rate_from_the_machine_profile(capsys, cache, monkeypatch):
     from bitsplit_llama.tools import machine
     from bitsplit_llama.tools.plan import make_plan

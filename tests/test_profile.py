@@ -90,7 +90,19 @@ def test_profile_of_another_base_is_ignored(split, tmp_path, monkeypatch, tiny_s
     assert load_profile(split) is None
 
 
-def test_plan_reads_the_profile(split, capsys):
+def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
+    from bitsplit_llama.cache import cache_dir
+    from bitsplit_llama.tools import machine
+
+    # the machine profile of a fresh cache, quick size (not this machine's figures: none are asserted)
+    d = tmp_path / "cache"
+    d.mkdir()
+    if (cache_dir() / "native").exists():
+        (d / "native").symlink_to(cache_dir() / "native", target_is_directory=True)
+    monkeypatch.setenv("BITSPLIT_CACHE", str(d))
+    assert main(["doctor", "--json", "--quick"]) == 0
+    mprof = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    monkeypatch.setattr(machine, "machine_profile", lambda **kw: mprof)
     prof = measure_profile(split, nodes=[0, 1, 4], prompts=PROMPTS[:1], n_tokens=4)
     for r in prof["profile"]:
         r["tokens_per_verify"] = {0: 1.0, 1: 1.5, 4: 4.5}[r["nodes"]]

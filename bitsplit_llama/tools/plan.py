@@ -199,7 +199,10 @@ def _ram_bandwidth(ram_bw: float | None, profile: dict | None) -> tuple[float, s
 def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 1000.0, pcie: float = 25.0,
               ram_bw: float | None = None, residual: str = "q6_k", n_ctx: int = 8192,
               tokens_per_verify: float | None = None, rounds: int | None = None, cores: int | None = None,
-              verify_rows: int = 17, log=None) -> dict:
+              verify_rows: int = 17, keep_layers: int | None = None, log=None) -> dict:
+    """``keep_layers``: at most this many whole layers (None: as many as fit, 0: none)."""
+    if keep_layers is not None and keep_layers < 0:
+        raise InvalidOptionError(f"--keep-layers: {keep_layers} is negative")
     for name, v in (("--vram", vram_gb), ("--gpu-bandwidth", gpu_bw), ("--pcie", pcie)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise InvalidOptionError(f"{name}: {v} must be a positive number")
@@ -224,19 +227,30 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
     q8_gpu = q8 * ngl / L
     q8_cpu = q8 - q8_gpu
     t_q8 = q8_gpu / (gpu_bw * GB) + q8_cpu / (ram_bw * GB * E_RAM)
-    # bitsplit
+    # bitsplit: the Q2_K base on the GPU (as much as fits); then, if it all fits, whole layers (Q8_0,
+    # no residual) in the memory left, each costing what it adds over its Q2_K form (as split --vram)
     base = n_params * BASE_BPW / 8
     res = n_params * RESIDUAL_BPW[residual] / 8
     per_layer_base = base / L + kv_bytes / L
     ngl_b = max(0, min(L, int(vram // per_layer_base)))
-    base_gpu = base * ngl_b / L
-    base_cpu = base - base_gpu
+    kept = 0
+    if ngl_b == L and keep_layers != 0:
+        spare = vram - base - kv_bytes
+        step = (q8 - base) / L
+        kept = max(0, min(L, int(spare // step))) if step > 0 else L
+        if keep_layers is not None:
+            kept = min(kept, keep_layers)
+    split_share = (L - kept) / L
+    gpu_bytes = base + kept * (q8 - base) / L
+    base_gpu = gpu_bytes * ngl_b / L
+    base_cpu = gpu_bytes - base_gpu
     t_base = base_gpu / (gpu_bw * GB) + base_cpu / (ram_bw * GB * E_RAM)
     w_core, w_src = _residual_rate_per_core(profile, verify_rows, why)
-    t_res = max(res / (ram_bw * GB * E_RAM), n_params / (cores * w_core))
-    hooks = L * 7 + 1
+    res *= split_share
+    t_res = max(res / (ram_bw * GB * E_RAM), n_params * split_share / (cores * w_core))
+    hooks = (L - kept) * 7 + 1
     act_bytes = sum((E + E) for _ in range(4)) + (E + F) * 2 + (F + E)  # q,k,v,o + gate,up + down, per row
-    t_pcie = hooks * 2 * PCIE_LATENCY_S + L * act_bytes * 4 * verify_rows * 2 / (pcie * GB)
+    t_pcie = hooks * 2 * PCIE_LATENCY_S + (L - kept) * act_bytes * 4 * verify_rows * 2 / (pcie * GB)
     a_src = "given"
     if tokens_per_verify is None:
         tokens_per_verify, a_src = 4.0, "default (about what a 16-node tree reaches on code with a small model here)"
@@ -252,7 +266,10 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         "n_ctx": n_ctx, "kv_cache_gb": round(kv_bytes / GB, 2),
         "q8_0": {"size_gb": round(q8 / GB, 1), "gpu_layers": ngl, "layers": L, "gpu_gb": round(q8_gpu / GB, 1),
                  "cpu_gb": round(q8_cpu / GB, 1), "seconds_per_token": round(t_q8, 4), "tokens_per_second": round(tps_q8, 2)},
-        "bitsplit": {"base_gb": round(base / GB, 1), "base_gpu_layers": ngl_b, "base_cpu_gb": round(base_cpu / GB, 1),
+        "placement": {"layers": L, "kept_whole": kept, "split": L - kept},
+        "split_command": (f"bitsplit split SRC.gguf -o SPLIT --residual {residual} --vram {vram_gb:g} --n-ctx {n_ctx}"
+                          if kept else f"bitsplit split SRC.gguf -o SPLIT --residual {residual}"),
+        "bitsplit": {"base_gb": round(gpu_bytes / GB, 1), "base_gpu_layers": ngl_b, "base_cpu_gb": round(base_cpu / GB, 1),
                      "residual_ram_gb": round(res / GB, 1), "draft_pass_s": round(t_draft, 4),
                      "verify_pass_s": round(t_verify, 4), "residual_s": round(t_res, 4), "pcie_s": round(t_pcie, 4),
                      "rounds": rounds, "tokens_per_verify": tokens_per_verify, "tokens_per_verify_source": a_src,
@@ -262,17 +279,20 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         "projection": True,
     }
     fits = "fits" if ngl_b == L else f"does not fit: {ngl_b}/{L} base layers on the GPU, {base_cpu / GB:.1f} GB on the CPU"
+    if kept:
+        fits += f"; {kept} of {L} layers whole (Q8_0, no residual) in the memory left"
     out["text"] = "\n".join([
         f"PROJECTION (a cost model, not a measurement) for {name}, {n_params / 1e9:.1f} B parameters, n_ctx {n_ctx}:",
         f"  GPU {vram_gb:g} GB at {gpu_bw:g} GB/s, PCIe {pcie:g} GB/s, RAM {ram_bw:.1f} GB/s ({ram_src}), {cores} CPU cores",
         f"  stock Q8_0: {q8 / GB:.1f} GB; -ngl {ngl}/{L} ({q8_gpu / GB:.1f} GB on the GPU, {q8_cpu / GB:.1f} GB in RAM)"
         f" -> {tps_q8:.2f} tokens/s",
-        f"  bitsplit: base {base / GB:.1f} GB on the GPU ({fits}) + KV {kv_bytes / GB:.1f} GB; residual "
+        f"  bitsplit: base {gpu_bytes / GB:.1f} GB on the GPU ({fits}) + KV {kv_bytes / GB:.1f} GB; residual "
         f"{res / GB:.1f} GB ({residual}) in RAM",
         f"    draft pass {1000 * t_draft:.1f} ms, verify pass {1000 * t_verify:.1f} ms (residual {1000 * t_res:.1f} ms, "
         f"PCIe {1000 * t_pcie:.1f} ms), {rounds} drafter passes per cycle, {tokens_per_verify:g} tokens/verify ({a_src})",
         f"    -> {tps:.2f} tokens/s, {tps / tps_q8:.2f}x stock Q8_0",
         f"  residual compute: {w_core / 1e9:.2f} G weights/s per core, {w_src}",
+        f"  make it: {out['split_command']}",
     ])
     return out
 
