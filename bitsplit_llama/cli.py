@@ -102,6 +102,8 @@ def split(
     residual_bpw: Optional[float] = typer.Option(None, "--residual-bpw", help="With --residual auto: the residual's "
                                                  "bits per weight over the weights it corrects (4.5 = all Q4_K ... 8.5 "
                                                  "= all Q8_0; the bpw split prints divides by all weights)."),
+    base: str = typer.Option("q2_k", "--base", help="The base's type (llama.cpp's mix): q2_k, or for big models "
+                             "iq2_s, iq2_xs, iq2_xxs, iq1_m (these need --imatrix), or q3_k_m."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the Q2_K base (`bitsplit imatrix` "
                                            "or llama-imatrix output), or 'auto': computed from SRC on the calibration "
                                            "text shipped with bitsplit (cached). Default: none."),
@@ -118,8 +120,10 @@ def split(
     """Split SRC into a Q2_K base (for the GPU) and a residual (for system RAM); with --keep-layers or
     --vram, some layers stay whole in the base instead (default: every layer is split)."""
     from .tools.progress import make_progress
-    from .formats.split import install_sigterm_handler, split_model
+    from .formats.split import BASE_TYPES, install_sigterm_handler, split_model
 
+    if base not in BASE_TYPES:
+        raise InvalidOptionError(f"--base: '{base}' unknown (expected one of: {', '.join(BASE_TYPES)})")
     if imatrix is not None and str(imatrix) == "auto":
         from .formats import placement
         from .formats.split import check_residual_bpw, parse_residual_type
@@ -133,6 +137,7 @@ def split(
     restore = install_sigterm_handler()
     try:
         rep = split_model(src, out, residual=residual, residual_bpw=residual_bpw, imatrix=imatrix, threads=threads, force=force,
+                          base_ftype=base,
                           progress=make_progress(quiet or as_json), keep_layers=keep_layers, vram_gb=vram, n_ctx=n_ctx)
     finally:
         restore()

@@ -39,6 +39,8 @@ CASES = [
     (["split", "{src}", "-o", "{t}/o", "--residual", "q3_k"], 2, "unknown residual type 'q3_k'"),
     (["split", "{src}", "-o", "{t}/o", "--threads", "0"], 2, "--threads: 0"),
     (["split", "{src}", "-o", "{t}/o", "--residual", "auto"], 2, "give the budget with --residual-bpw"),
+    (["split", "{src}", "-o", "{t}/o", "--base", "q9_k"], 2, "--base: 'q9_k' unknown"),
+    (["split", "{src}", "-o", "{t}/o", "--base", "iq2_xs"], 2, "--base iq2_xs: llama.cpp makes it only with an importance matrix"),
     (["split", "{src}", "-o", "{t}/o", "--residual-bpw", "5"], 2, "--residual-bpw: only with --residual auto"),
     (["split", "{src}", "-o", "{t}/o", "--threads", "many"], 2, "--threads"),
     (["split", "{src}"], 2, "Missing option '-o'"),

@@ -47,7 +47,10 @@ RESIDUAL_TYPES: dict[str, int] = {"q4_k": int(QT.Q4_K), "q5_k": int(QT.Q5_K), "q
                                   "f16": int(QT.F16), "f32": int(QT.F32)}
 #: llama_ftype of llama.cpp's mixes; q2_k is the product, q8_0/q6_k/... make comparison models
 FTYPES: dict[str, int] = {"q2_k": 10, "q3_k_m": 12, "q4_0": 2, "q4_1": 3, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18,
-                          "q8_0": 7, "f16": 1, "f32": 0}
+                          "q8_0": 7, "f16": 1, "f32": 0, "iq2_xxs": 19, "iq2_xs": 20, "iq2_s": 28, "iq1_m": 31}
+#: base types `split --base` offers (the drafter's weights); the IQ ones need an importance matrix
+BASE_TYPES = ("q2_k", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "q3_k_m")
+NEEDS_IMATRIX = frozenset({"iq2_s", "iq2_xs", "iq2_xxs", "iq1_m"})
 
 # Fallback chain when a row width is not a multiple of the residual type's block.
 _FALLBACK = {int(QT.Q4_K): int(QT.Q8_0), int(QT.Q5_K): int(QT.Q8_0), int(QT.Q6_K): int(QT.Q8_0), int(QT.Q8_0): int(QT.F16)}
@@ -445,7 +448,10 @@ def split_model(
     wanted = parse_residual_type(residual)
     check_residual_bpw(residual, residual_bpw)
     if base_ftype not in FTYPES:
-        raise InvalidOptionError(f"base type '{base_ftype}' unknown (expected one of: {', '.join(FTYPES)})")
+        raise InvalidOptionError(f"--base: '{base_ftype}' unknown (expected one of: {', '.join(BASE_TYPES)})")
+    if base_ftype in NEEDS_IMATRIX and not imatrix:
+        raise InvalidOptionError(f"--base {base_ftype}: llama.cpp makes it only with an importance matrix "
+                                 "(--imatrix FILE, or --imatrix auto)")
     threads = _ggml.cpu_count() if threads is None else threads
     if not isinstance(threads, int) or threads < 1:
         raise InvalidOptionError(f"--threads: {threads!r} is not a positive integer")
