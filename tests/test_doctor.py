@@ -107,7 +107,8 @@ def test_doctor_human_output(capsys, cache):
 def test_plan_keeps_whole_the_layers_that_fit(capsys, cache, monkeypatch):
     """With the base on the GPU, the memory left buys whole layers (Q8_0, no residual), as split --vram
     does: more VRAM, more layers whole, less residual in RAM and a faster projection; --keep-layers
-    caps them; a base that does not fit keeps none. The plan names the split command that makes it."""
+    caps them; a base that does not fit keeps none. The plan names the split command that makes it and
+    states its constants."""
     from bitsplit_llama.tools import machine
     from bitsplit_llama.tools.plan import make_plan
 
@@ -120,10 +121,12 @@ def test_plan_keeps_whole_the_layers_that_fit(capsys, cache, monkeypatch):
     assert 0 < kept[20] < kept[24] < kept[40] == 64
     res = [plans[v]["bitsplit"]["residual_ram_gb"] for v in (20, 24, 40)]
     assert res[0] > res[1] > res[2] == 0
-    assert plans[24]["projected_speedup"] > plans[20]["projected_speedup"]
+    assert plans[24]["bitsplit"]["verify_pass_s"] < plans[20]["bitsplit"]["verify_pass_s"]
+    assert plans[24]["projected_speedup"] >= plans[20]["projected_speedup"]
     assert "--vram 24" in plans[24]["split_command"] and "--vram" not in plans[12]["split_command"]
     capped = make_plan("qwen2.5-32b", vram_gb=24, keep_layers=3, **kw)
     assert capped["placement"] == {"layers": 64, "kept_whole": 3, "split": 61}
+    assert plans[24]["constants"]["launch_and_sync_s_per_pass"] > 0 and "assumed:" in plans[24]["text"]
     none = make_plan("qwen2.5-32b", vram_gb=24, keep_layers=0, **kw)
     assert none["placement"]["kept_whole"] == 0 and none["bitsplit"]["residual_ram_gb"] > res[1]
 

@@ -41,14 +41,27 @@ PRESETS = {
     "gemma-2-27b": (46, 4608, 36864, 32, 16, 256000),
     "qwen2.5-coder-1.5b": (28, 1536, 8960, 12, 2, 151936),
 }
-#: bits per weight seen on real splits (Qwen2.5-Coder-1.5B: base 3.36; residual q6_k 5.68, q8_0 7.41)
+#: bits per weight: the base's Q2_K mix as seen on real splits (Qwen2.5-Coder-1.5B: 3.36 over all
+#: weights); a residual at its type's own rate over every weight (a big model's weights nearly all
+#: have one; on that 1.5B model, whose embeddings are 13% of it, q6_k came to 5.68 over all weights)
 BASE_BPW = 3.4
-RESIDUAL_BPW = {"q4_k": 3.9, "q5_k": 4.8, "q6_k": 5.7, "q8_0": 7.5}
+RESIDUAL_BPW = {"q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625, "q8_0": 8.5}
 Q8_BPW = 8.5
 E_RAM = 0.8
 GPU_OVERHEAD = 1.0e9       # CUDA context, compute buffers
 LAUNCH_S = 0.002           # per-pass fixed cost on a GPU (kernel launches, sync)
 PCIE_LATENCY_S = 10e-6
+#: every constant the projection assumes, stated in its output
+CONSTANTS = {"e_ram": E_RAM, "gpu_overhead_bytes": GPU_OVERHEAD, "launch_and_sync_s_per_pass": LAUNCH_S,
+             "pcie_latency_s_per_transfer": PCIE_LATENCY_S, "base_bpw": BASE_BPW, "q8_0_bpw": Q8_BPW,
+             "residual_bpw": RESIDUAL_BPW}
+
+
+def _constants_text() -> str:
+    return (f"a streaming pass reaches {E_RAM:g} of RAM bandwidth; {GPU_OVERHEAD / 1e9:g} GB of VRAM for the runtime "
+            f"and compute buffers; {1000 * LAUNCH_S:g} ms launch and sync per GPU pass; {1e6 * PCIE_LATENCY_S:g} us "
+            f"per PCIe transfer (2 per hooked product); base {BASE_BPW:g} bpw, Q8_0 {Q8_BPW:g} bpw, residual "
+            + ", ".join(f"{k} {v:g}" for k, v in RESIDUAL_BPW.items()) + " bpw (the base as on real splits, residuals at their types' rates)")
 
 
 def _shape_from(model: str) -> tuple[str, tuple[int, int, int, int, int, int], float]:
@@ -181,7 +194,9 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
         f"verify pass {1000 * t_verify:.1f} ms ({verify_rows} rows; {w_core / 1e9:.2f} G weights/s per core, {w_src})",
         f"    {rounds:g} drafter passes per cycle ({r_src}), {tokens_per_verify:g} tokens/verify ({a_src})",
         f"    -> {tps:.2f} tokens/s, {tps * t_q8:.2f}x stock Q8_0",
+        f"  assumed: a streaming pass reaches {E_RAM:g} of RAM bandwidth",
     ])
+    out["constants"] = {"e_ram": E_RAM}
     return out
 
 
@@ -293,7 +308,9 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         f"    -> {tps:.2f} tokens/s, {tps / tps_q8:.2f}x stock Q8_0",
         f"  residual compute: {w_core / 1e9:.2f} G weights/s per core, {w_src}",
         f"  make it: {out['split_command']}",
+        "  assumed: " + _constants_text(),
     ])
+    out["constants"] = CONSTANTS
     return out
 
 
