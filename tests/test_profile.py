@@ -28,16 +28,17 @@ def split(tmp_path, tiny_split):
 
 
 def test_profile_measures_sizes_and_writes_them(split, capsys):
-    code = main(["profile", str(split), "--nodes", "0,1,4", "-n", "12", "--prompts", _prompts(split), "--json"])
+    code = main(["profile", str(split), "--nodes", "0,1,4,64", "-n", "12", "--prompts", _prompts(split), "--json"])
     assert code == 0
     obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = obj["profile"]
-    assert [r["nodes"] for r in rows] == [0, 1, 4]
+    assert [r["nodes"] for r in rows] == [0, 1, 4, 64]  # 64: more lanes than a small batch holds
     assert rows[0]["tokens_per_verify"] == 1.0 and rows[0]["draft_passes_per_cycle"] == 0
     for r in rows[1:]:
         # a tree of n nodes emits between 1 and n + 1 tokens per verification, with drafter passes
         assert 1.0 <= r["tokens_per_verify"] <= r["nodes"] + 1 and r["draft_passes_per_cycle"] > 0
-        assert r["ms_per_verify"] > 0 and 0 < r["tokens"] == rows[0]["tokens"]  # greedy: the same tokens
+        assert r["ms_per_verify"] > 0 and r["tokens"] == rows[0]["tokens"]  # greedy: the same tokens
+    assert rows[0]["tokens"] == 24  # 12 from each prompt: every generation counted, none cut short
     on_disk = json.loads((split / PROFILE_FILE).read_text())
     assert on_disk["profile"] == rows and load_profile(split) is not None
 

@@ -67,7 +67,8 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
     shapes = [TreeShape(0, 1, 1) if n == 0 else TreeShape.for_nodes(n) for n in nodes]
     room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes))
     say = log or (lambda s: None)
-    sm = SplitModel(split, n_ctx=max(256, 64 + n_tokens * 2), n_batch=max(64, room.nodes + 8),
+    # a batch holds a verify pass (nodes + 1 rows) and, with one sequence per row, every lane
+    sm = SplitModel(split, n_ctx=max(256, 64 + n_tokens * 2), n_batch=max(64, room.nodes + 8, n_seq_max_for(room)),
                     n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=threads)
     rows = []
     t_start = time.monotonic()
@@ -76,12 +77,15 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
         for shape in shapes:
             kernel = sm.residual.choose_decode_kernel(max(2, shape.nodes + 1))
             eng = Engine(sm, shape)
-            st = Stats()
+            st = Stats()  # the sums over prompts (a generation counts its own tokens in its own Stats)
             for i, t in enumerate(toks):
                 sp = SamplingParams(temperature=temperature, seed=1234 + i)
-                for _ in eng.generate(t, n_tokens, sp, is_stop=sm.model.is_eog, stats=st):
+                one = Stats()
+                for _ in eng.generate(t, n_tokens, sp, is_stop=sm.model.is_eog, stats=one):
                     pass
                 eng.reset()
+                for f in ("n_emitted", "n_verify", "n_draft_passes", "verify_seconds", "draft_seconds"):
+                    setattr(st, f, getattr(st, f) + getattr(one, f))
             cycles = max(st.n_verify, 1)
             row = {"nodes": shape.nodes, "width": shape.width, "rounds": shape.rounds,
                    "tokens_per_verify": round(st.n_emitted / cycles, 4),
