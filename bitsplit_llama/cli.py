@@ -465,6 +465,9 @@ def plan(
                                            "JSON gives the measured draft_passes_per_verify)."),
     verify_rows: int = typer.Option(17, "--verify-rows", help="Rows of a verification pass (tree nodes + 1)."),
     cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="CPU cores computing the residual (default: this machine's)."),
+    base_type: str = typer.Option("q2_k", "--base", help="The base's type to plan for (split --base): q2_k, iq2_s, "
+                                  "iq2_xs, iq2_xxs, iq1_m (IQ types at their nominal rates; their acceptance is not "
+                                  "in a Q2_K profile)."),
     keep_layers: Optional[int] = typer.Option(None, "--keep-layers", help="At most this many layers whole on the GPU "
                                               "(default: as many as fit beside the base; 0: split every layer)."),
     profile: Optional[Path] = typer.Option(None, "--profile", help="An acceptance profile (`bitsplit profile`: a split "
@@ -503,6 +506,8 @@ def plan(
             raise InvalidOptionError("--vram with --gpu none: there is no GPU to fill; leave --vram out")
         if keep_layers is not None:
             raise InvalidOptionError("--keep-layers with --gpu none: no GPU holds whole layers; leave it out")
+        if base_type != "q2_k":
+            raise InvalidOptionError("--base with --gpu none: a split directory's own base is measured; leave it out")
         make = partial(make_cpu_plan, str(model), ram_bw=ram_bandwidth, residual=residual, cores=cpu_cores, log=_say)
     else:
         if vram is None:
@@ -511,7 +516,8 @@ def plan(
             raise InvalidOptionError(f"{model}: a split directory is planned with --gpu none; for a GPU give the "
                                      "source GGUF or a preset name")
         make = partial(make_plan, str(model), vram_gb=vram, gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth,
-                       residual=residual, n_ctx=n_ctx, cores=cpu_cores, keep_layers=keep_layers, log=_say)
+                       residual=residual, n_ctx=n_ctx, cores=cpu_cores, keep_layers=keep_layers, base_type=base_type,
+                       log=_say)
     if prof is not None:
         p = plan_with_profile(make, prof, prof_src)
     else:

@@ -131,6 +131,25 @@ def test_plan_keeps_whole_the_layers_that_fit(capsys, cache, monkeypatch):
     assert none["placement"]["kept_whole"] == 0 and none["bitsplit"]["residual_ram_gb"] > res[1]
 
 
+def test_plan_base_types(capsys, cache, monkeypatch):
+    """A smaller base type fits the 70B's base on a 24 GB GPU where Q2_K does not, and the plan's
+    split command makes it (with the importance matrix it needs)."""
+    from bitsplit_llama.errors import InvalidOptionError
+    from bitsplit_llama.tools import machine
+    from bitsplit_llama.tools.plan import make_plan
+
+    prof, _ = doctor(capsys)
+    monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)
+    kw = dict(ram_bw=60, cores=16, tokens_per_verify=4.0, rounds=5)
+    q2 = make_plan("llama-3-70b", vram_gb=24, **kw)
+    iq = make_plan("llama-3-70b", vram_gb=24, base_type="iq2_xxs", **kw)
+    assert q2["bitsplit"]["base_gpu_layers"] < 80 and iq["bitsplit"]["base_gpu_layers"] == 80
+    assert iq["bitsplit"]["draft_pass_s"] < q2["bitsplit"]["draft_pass_s"]
+    assert "--base iq2_xxs --imatrix auto" in iq["split_command"] and "--base" not in q2["split_command"]
+    with pytest.raises(InvalidOptionError, match="--base: 'q1'"):
+        make_plan("llama-3-70b", vram_gb=24, base_type="q1", **kw)
+
+
 def test_plan_takes_its_residual_rate_from_the_machine_profile(capsys, cache, monkeypatch):
     from bitsplit_llama.tools import machine
     from bitsplit_llama.tools.plan import make_plan

@@ -45,6 +45,9 @@ PRESETS = {
 #: weights); a residual at its type's own rate over every weight (a big model's weights nearly all
 #: have one; on that 1.5B model, whose embeddings are 13% of it, q6_k came to 5.68 over all weights)
 BASE_BPW = 3.4
+#: the other bases `split --base` makes: their types' own rates (not measured on a split: llama.cpp's
+#: mixes keep a few tensors wider, so real files come out somewhat larger)
+BASE_TYPE_BPW = {"q2_k": BASE_BPW, "iq2_s": 2.5, "iq2_xs": 2.3125, "iq2_xxs": 2.0625, "iq1_m": 1.75}
 RESIDUAL_BPW = {"q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625, "q8_0": 8.5}
 Q8_BPW = 8.5
 E_RAM = 0.8
@@ -60,7 +63,8 @@ CONSTANTS = {"e_ram": E_RAM, "gpu_overhead_bytes": GPU_OVERHEAD, "launch_and_syn
 def _constants_text() -> str:
     return (f"a streaming pass reaches {E_RAM:g} of RAM bandwidth; {GPU_OVERHEAD / 1e9:g} GB of VRAM for the runtime "
             f"and compute buffers; {1000 * LAUNCH_S:g} ms launch and sync per GPU pass; {1e6 * PCIE_LATENCY_S:g} us "
-            f"per PCIe transfer (2 per hooked product); base {BASE_BPW:g} bpw, Q8_0 {Q8_BPW:g} bpw, residual "
+            f"per PCIe transfer (2 per hooked product); base q2_k {BASE_BPW:g} bpw (others at their types' "
+            f"rates), Q8_0 {Q8_BPW:g} bpw, residual "
             + ", ".join(f"{k} {v:g}" for k, v in RESIDUAL_BPW.items()) + " bpw (the base as on real splits, residuals at their types' rates)")
 
 
@@ -214,8 +218,11 @@ def _ram_bandwidth(ram_bw: float | None, profile: dict | None) -> tuple[float, s
 def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 1000.0, pcie: float = 25.0,
               ram_bw: float | None = None, residual: str = "q6_k", n_ctx: int = 8192,
               tokens_per_verify: float | None = None, rounds: int | None = None, cores: int | None = None,
-              verify_rows: int = 17, keep_layers: int | None = None, log=None) -> dict:
-    """``keep_layers``: at most this many whole layers (None: as many as fit, 0: none)."""
+              verify_rows: int = 17, keep_layers: int | None = None, base_type: str = "q2_k", log=None) -> dict:
+    """``keep_layers``: at most this many whole layers (None: as many as fit, 0: none); ``base_type``:
+    the base's type (``split --base``)."""
+    if base_type not in BASE_TYPE_BPW:
+        raise InvalidOptionError(f"--base: '{base_type}' unknown (expected one of: {', '.join(BASE_TYPE_BPW)})")
     if keep_layers is not None and keep_layers < 0:
         raise InvalidOptionError(f"--keep-layers: {keep_layers} is negative")
     for name, v in (("--vram", vram_gb), ("--gpu-bandwidth", gpu_bw), ("--pcie", pcie)):
@@ -244,7 +251,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
     t_q8 = q8_gpu / (gpu_bw * GB) + q8_cpu / (ram_bw * GB * E_RAM)
     # bitsplit: the Q2_K base on the GPU (as much as fits); then, if it all fits, whole layers (Q8_0,
     # no residual) in the memory left, each costing what it adds over its Q2_K form (as split --vram)
-    base = n_params * BASE_BPW / 8
+    base = n_params * BASE_TYPE_BPW[base_type] / 8
     res = n_params * RESIDUAL_BPW[residual] / 8
     per_layer_base = base / L + kv_bytes / L
     ngl_b = max(0, min(L, int(vram // per_layer_base)))
@@ -282,8 +289,10 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         "q8_0": {"size_gb": round(q8 / GB, 1), "gpu_layers": ngl, "layers": L, "gpu_gb": round(q8_gpu / GB, 1),
                  "cpu_gb": round(q8_cpu / GB, 1), "seconds_per_token": round(t_q8, 4), "tokens_per_second": round(tps_q8, 2)},
         "placement": {"layers": L, "kept_whole": kept, "split": L - kept},
-        "split_command": (f"bitsplit split SRC.gguf -o SPLIT --residual {residual} --vram {vram_gb:g} --n-ctx {n_ctx}"
-                          if kept else f"bitsplit split SRC.gguf -o SPLIT --residual {residual}"),
+        "base_type": base_type,
+        "split_command": (f"bitsplit split SRC.gguf -o SPLIT --residual {residual}"
+                          + (f" --base {base_type} --imatrix auto" if base_type != "q2_k" else "")
+                          + (f" --vram {vram_gb:g} --n-ctx {n_ctx}" if kept else "")),
         "bitsplit": {"base_gb": round(gpu_bytes / GB, 1), "base_gpu_layers": ngl_b, "base_cpu_gb": round(base_cpu / GB, 1),
                      "residual_ram_gb": round(res / GB, 1), "draft_pass_s": round(t_draft, 4),
                      "verify_pass_s": round(t_verify, 4), "residual_s": round(t_res, 4), "pcie_s": round(t_pcie, 4),
@@ -301,7 +310,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         f"  GPU {vram_gb:g} GB at {gpu_bw:g} GB/s, PCIe {pcie:g} GB/s, RAM {ram_bw:.1f} GB/s ({ram_src}), {cores} CPU cores",
         f"  stock Q8_0: {q8 / GB:.1f} GB; -ngl {ngl}/{L} ({q8_gpu / GB:.1f} GB on the GPU, {q8_cpu / GB:.1f} GB in RAM)"
         f" -> {tps_q8:.2f} tokens/s",
-        f"  bitsplit: base {gpu_bytes / GB:.1f} GB on the GPU ({fits}) + KV {kv_bytes / GB:.1f} GB; residual "
+        f"  bitsplit: base ({base_type}) {gpu_bytes / GB:.1f} GB on the GPU ({fits}) + KV {kv_bytes / GB:.1f} GB; residual "
         f"{res / GB:.1f} GB ({residual}) in RAM",
         f"    draft pass {1000 * t_draft:.1f} ms, verify pass {1000 * t_verify:.1f} ms (residual {1000 * t_res:.1f} ms, "
         f"PCIe {1000 * t_pcie:.1f} ms), {rounds} drafter passes per cycle, {tokens_per_verify:g} tokens/verify ({a_src})",
