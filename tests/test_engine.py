@@ -104,11 +104,13 @@ def _two_sample_chi2(a: Counter, b: Counter, min_count: int = 5) -> tuple[float,
     return stat, len(cells) - 1
 
 
-def test_speculative_sampling_is_lossless(tiny_split):
+@pytest.mark.parametrize("nodes", [8, 64])
+def test_speculative_sampling_is_lossless(tiny_split, nodes):
     """Independent seeds, 1500 samples each: the 2nd and 3rd generated tokens (drawn inside a
-    speculative cycle) follow the same distribution as verifier-alone sampling (chi-square, alpha=0.001)."""
+    speculative cycle) follow the same distribution as verifier-alone sampling (chi-square, alpha=0.001),
+    with a small tree and a deep one (64 nodes: 24 rounds of 4, one lane per leaf)."""
     n = 1500
-    with Generator(tiny_split, n_ctx=128, tree_nodes=8) as g:
+    with Generator(tiny_split, n_ctx=128, tree_nodes=nodes) as g:
         samples = {}
         for spec, offset in ((False, 0), (True, 10_000)):
             c2, c3 = Counter(), Counter()

@@ -249,38 +249,46 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
     q8_gpu = q8 * ngl / L
     q8_cpu = q8 - q8_gpu
     t_q8 = q8_gpu / (gpu_bw * GB) + q8_cpu / (ram_bw * GB * E_RAM)
-    # bitsplit: the Q2_K base on the GPU (as much as fits); then, if it all fits, whole layers (Q8_0,
-    # no residual) in the memory left, each costing what it adds over its Q2_K form (as split --vram)
+    # bitsplit: the base on the GPU (as much as fits); then, if it all fits, whole layers (Q8_0, no
+    # residual) in the memory left, each costing what it adds over its base form (as split --vram).
+    # A whole layer saves residual and PCIe time per verification but makes every draft pass read
+    # more: the number kept is the one (up to what fits, or --keep-layers) with the best tokens/s.
     base = n_params * BASE_TYPE_BPW[base_type] / 8
-    res = n_params * RESIDUAL_BPW[residual] / 8
+    res_all = n_params * RESIDUAL_BPW[residual] / 8
     per_layer_base = base / L + kv_bytes / L
     ngl_b = max(0, min(L, int(vram // per_layer_base)))
-    kept = 0
-    if ngl_b == L and keep_layers != 0:
+    fit = 0
+    if ngl_b == L:
         spare = vram - base - kv_bytes
         step = (q8 - base) / L
-        kept = max(0, min(L, int(spare // step))) if step > 0 else L
-        if keep_layers is not None:
-            kept = min(kept, keep_layers)
-    split_share = (L - kept) / L
-    gpu_bytes = base + kept * (q8 - base) / L
-    base_gpu = gpu_bytes * ngl_b / L
-    base_cpu = gpu_bytes - base_gpu
-    t_base = base_gpu / (gpu_bw * GB) + base_cpu / (ram_bw * GB * E_RAM)
+        fit = max(0, min(L, int(spare // step))) if step > 0 else L
+    if keep_layers is not None:
+        fit = min(fit, keep_layers)
     w_core, w_src = _residual_rate_per_core(profile, verify_rows, why)
-    res *= split_share
-    t_res = max(res / (ram_bw * GB * E_RAM), n_params * split_share / (cores * w_core))
-    hooks = (L - kept) * 7 + 1
     act_bytes = sum((E + E) for _ in range(4)) + (E + F) * 2 + (F + E)  # q,k,v,o + gate,up + down, per row
-    t_pcie = hooks * 2 * PCIE_LATENCY_S + (L - kept) * act_bytes * 4 * verify_rows * 2 / (pcie * GB)
     a_src = "given"
     if tokens_per_verify is None:
         tokens_per_verify, a_src = 4.0, "default (about what a 16-node tree reaches on code with a small model here)"
     rounds = rounds or 5
-    t_draft = t_base + LAUNCH_S
-    t_verify = t_base + t_res + t_pcie + LAUNCH_S
-    t_cycle = rounds * t_draft + t_verify
-    tps = tokens_per_verify / t_cycle
+
+    def project(kept: int) -> dict:
+        split_share = (L - kept) / L
+        gpu_bytes = base + kept * (q8 - base) / L
+        base_gpu = gpu_bytes * ngl_b / L
+        base_cpu = gpu_bytes - base_gpu
+        t_base = base_gpu / (gpu_bw * GB) + base_cpu / (ram_bw * GB * E_RAM)
+        res = res_all * split_share
+        t_res = max(res / (ram_bw * GB * E_RAM), n_params * split_share / (cores * w_core))
+        hooks = (L - kept) * 7 + 1
+        t_pcie = hooks * 2 * PCIE_LATENCY_S + (L - kept) * act_bytes * 4 * verify_rows * 2 / (pcie * GB)
+        t_draft = t_base + LAUNCH_S
+        t_verify = t_base + t_res + t_pcie + LAUNCH_S
+        return dict(kept=kept, gpu_bytes=gpu_bytes, base_cpu=base_cpu, res=res, t_res=t_res, t_pcie=t_pcie,
+                    t_draft=t_draft, t_verify=t_verify, tps=tokens_per_verify / (rounds * t_draft + t_verify))
+
+    best = max((project(k) for k in range(fit + 1)), key=lambda p: p["tps"])
+    kept, gpu_bytes, base_cpu, res = best["kept"], best["gpu_bytes"], best["base_cpu"], best["res"]
+    t_res, t_pcie, t_draft, t_verify, tps = (best[k] for k in ("t_res", "t_pcie", "t_draft", "t_verify", "tps"))
     tps_q8 = 1 / t_q8
     out = {
         "model": name, "n_params": n_params, "vram_gb": vram_gb, "gpu_bandwidth_gb_s": gpu_bw, "pcie_gb_s": pcie,
