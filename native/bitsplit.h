@@ -141,7 +141,7 @@ const char * bitsplit_ctx_family_of(bitsplit_ctx * ctx, const char * name, int64
 
 /* Kernel families. One policy (kernels.c) decides which family computes a product, by batch size,
  * types and precision, among the families this CPU runs under the cap BITSPLIT_MAX_ISA
- * (generic < avx2 | neon < avx512 < amx; unset: no cap). BITSPLIT_KERNEL names one family that then
+ * (generic < avx2 | neon < avxvnni < avx512 < amx; unset: no cap). BITSPLIT_KERNEL names one family that then
  * serves every batch size (for measurements). Every family computes the same products up to
  * rounding and each is batch-invariant; tests compare them. */
 
@@ -152,7 +152,7 @@ const char * bitsplit_kernel_for_batch(int64_t n_cols);
 /* the families this CPU runs under the cap, fastest for one column first; returns how many
  * (names[] gets at most max of them) */
 int bitsplit_kernel_families(const char ** names, int max);
-/* the cap in force ("generic", "avx2" or "neon", "avx512", "amx"); "generic" for a bad value */
+/* the cap in force ("generic", "avx2" or "neon", "avxvnni", "avx512", "amx"); "generic" for a bad value */
 const char * bitsplit_max_isa(void);
 /* the family the fast drafter computes base products with here ("" if none: ggml's kernels draft),
  * and the smallest batch it takes (ggml is faster below) */

@@ -59,8 +59,8 @@ typedef struct bs_job {
     void * acts;                 /* activations prepared once per job (shared by the threads) */
 } bs_job;
 
-/* instruction-set levels, for the cap BITSPLIT_MAX_ISA (generic < avx2|neon < avx512 < amx) */
-enum bs_isa { BS_ISA_GENERIC = 0, BS_ISA_SIMD = 1, BS_ISA_AVX512 = 2, BS_ISA_AMX = 3 };
+/* instruction-set levels, for the cap BITSPLIT_MAX_ISA (generic < avx2|neon < avxvnni < avx512 < amx) */
+enum bs_isa { BS_ISA_GENERIC = 0, BS_ISA_SIMD = 1, BS_ISA_AVXVNNI = 2, BS_ISA_AVX512 = 3, BS_ISA_AMX = 4 };
 #define BS_ISA_AVX2 BS_ISA_SIMD
 #define BS_ISA_NEON BS_ISA_SIMD
 

@@ -149,6 +149,7 @@ extern const bs_kernel_family bs_family_avx512_bf16; /* arch/x86/kernels_tiles.c
 extern const bs_kernel_family bs_family_amx_bf16;
 extern const bs_kernel_family bs_family_avx2_f32;    /* arch/x86/kernels_avx2.c */
 extern const bs_kernel_family bs_family_avx2_int16;  /* arch/x86/kernels_avx2_int.c */
+extern const bs_kernel_family bs_family_avxvnni_int16; /* arch/x86/kernels_avxvnni_int.c (the same source) */
 #endif
 #if defined(__aarch64__)
 extern const bs_kernel_family bs_family_neon_f32;    /* arch/arm/kernels_neon.c */
@@ -157,12 +158,13 @@ extern const bs_kernel_family bs_family_neon_f32;    /* arch/arm/kernels_neon.c 
 /* Small batches (decode steps, 2-row verify passes): the per-column integer kernel is the fastest
  * where it exists, each up to its max_cols (its cost grows with the batch; vnni-int24's crossover
  * with the tile kernels is 4-5 columns on a 2-core Xeon, avx2-int16's with avx2-f32 6-7 columns on
- * a 2-core Zen 3). Larger batches (trees, prompts, evaluation): the tile kernels, whose
+ * a 2-core Zen 3; avxvnni-int16, the same integers with AVX-VNNI, before avx2-int16). Larger batches (trees, prompts, evaluation): the tile kernels, whose
  * cost barely grows with the batch. Then the plain SIMD families of the architecture (on AVX2,
  * avx2-int16 up to its max_cols, then avx2-f32), then generic. */
 static const bs_kernel_family * const order_small[] = {
 #if defined(__x86_64__)
-    &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_int16, &bs_family_avx2_f32,
+    &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avxvnni_int16, &bs_family_avx2_int16,
+    &bs_family_avx2_f32,
 #endif
 #if defined(__aarch64__)
     &bs_family_neon_f32,
@@ -171,7 +173,8 @@ static const bs_kernel_family * const order_small[] = {
 };
 static const bs_kernel_family * const order_large[] = {
 #if defined(__x86_64__)
-    &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32, &bs_family_vnni_int24, &bs_family_avx2_int16,
+    &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32, &bs_family_vnni_int24, &bs_family_avxvnni_int16,
+    &bs_family_avx2_int16,
 #endif
 #if defined(__aarch64__)
     &bs_family_neon_f32,
@@ -180,7 +183,7 @@ static const bs_kernel_family * const order_large[] = {
 };
 #define N_FAMILIES (sizeof(order_small) / sizeof(order_small[0]))
 
-static const char * const isa_names[] = {"generic", "simd", "avx512", "amx"};
+static const char * const isa_names[] = {"generic", "simd", "avxvnni", "avx512", "amx"};
 
 const char * bs_isa_name(int isa) {
 #if defined(__aarch64__)
@@ -198,7 +201,7 @@ bool bs_isa_cap(int * cap) {
         return true;
     }
     static const struct { const char * name; int isa; } names[] = {
-        {"generic", BS_ISA_GENERIC}, {"avx2", BS_ISA_SIMD}, {"neon", BS_ISA_SIMD},
+        {"generic", BS_ISA_GENERIC}, {"avx2", BS_ISA_SIMD}, {"neon", BS_ISA_SIMD}, {"avxvnni", BS_ISA_AVXVNNI},
         {"avx512", BS_ISA_AVX512}, {"amx", BS_ISA_AMX},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {

@@ -2,7 +2,7 @@
 on random (tiny split) and real (SmolLM2) tensors; the ISA cap; the policy.
 
 A family this CPU cannot run is skipped with the reason, never replaced by another: run the suite
-under ``BITSPLIT_MAX_ISA=generic|avx2|avx512`` to test the lower paths on a bigger CPU (.ci/run
+under ``BITSPLIT_MAX_ISA=generic|avx2|avxvnni|avx512`` to test the lower paths on a bigger CPU (.ci/run
 does so for every level the machine has)."""
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ HERE = policy.families()
 # one (exact weights, 24-bit activations) are exact up to f32 summation; the bf16 families round
 # weights and activations to 8-bit mantissas; avx2-int16 is held to 1e-5 against the product of its
 # own activation rounding (ACT_BITS) and to 1e-3 against the exact one
-TOL = {"vnni-int24": 1e-5, "avx2-int16": 1e-5, "avx2-f32": 1e-5, "neon-f32": 1e-5, "amx-bf16": 1e-2, "avx512-bf16": 1e-2,
+TOL = {"vnni-int24": 1e-5, "avx2-int16": 1e-5, "avxvnni-int16": 1e-5, "avx2-f32": 1e-5, "neon-f32": 1e-5, "amx-bf16": 1e-2, "avx512-bf16": 1e-2,
        "generic": 1e-2}
 
 
 # families that round activations to integers per block: the largest integer (x ~ s X, |X| <= it,
 # s = the block's max|x| / it), blocks of 256 values where a 256-superblock type is in the product,
 # else of 32
-ACT_BITS = {"avx2-int16": 32512}
+ACT_BITS = {"avx2-int16": 32512, "avxvnni-int16": 32512}
 # families that use the weights as they are (integer or f32 arithmetic), not rounded to bf16
-EXACT_WEIGHTS = {"vnni-int24", "avx2-int16", "avx2-f32", "neon-f32"}
+EXACT_WEIGHTS = {"vnni-int24", "avx2-int16", "avxvnni-int16", "avx2-f32", "neon-f32"}
 SUPERBLOCK_TYPES = {10, 11, 12, 13, 14}  # Q2_K .. Q6_K
 
 
@@ -158,6 +158,29 @@ def test_family_against_reference_every_type(type_splits, fam):
     assert {8, 12, 13, 14} <= res_seen, sorted(res_seen)  # Q8_0, Q4_K, Q5_K, Q6_K residuals
 
 
+def test_avxvnni_int16_is_avx2_int16_bit_for_bit(tiny_split, type_splits):
+    """The AVX-VNNI family computes avx2-int16's integers with other instructions (Q2_K's scales
+    folded into its codes, vpdpbusd/vpdpwssd), in the same floating-point order: every product of
+    every type, with and without the base, is the same bits."""
+    for fam in ("avxvnni-int16", "avx2-int16"):
+        _runs_here(fam)
+    names = ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight")
+    for split in (tiny_split, *type_splits.values()):
+        with Residual(split) as res:
+            res.set_precision("auto")
+            for name in names:
+                k = {t[0]: t[1][0] for t in res.tensors()}[name]
+                x = np.random.default_rng(11).standard_normal((9, k)).astype(np.float32)
+                x[:, 5] *= 40.0
+                got = {}
+                for fam in ("avxvnni-int16", "avx2-int16"):
+                    assert res.set_kernel(fam) == fam
+                    got[fam] = [res.matmul(name, x[:n], with_base=wb) for n in (1, 2, 3, 7, 9) for wb in (True, False)]
+                for a, b in zip(got["avxvnni-int16"], got["avx2-int16"]):
+                    assert np.array_equal(a, b), (split.name, name)
+            assert res.counters().n_errors == 0
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("fam", policy.ALL_FAMILIES)
 def test_family_against_reference_real(smollm2_split_q8, fam):
@@ -178,6 +201,10 @@ def test_every_family_this_cpu_runs_is_offered():
             assert {"avx2-int16", "avx2-f32"} <= set(HERE)  # every AVX2 CPU has both SIMD families
         if "avx512_vnni" in flags and policy.max_isa() in ("avx512", "amx"):
             assert "vnni-int24" in HERE
+        if {"avx2", "fma", "f16c", "avx_vnni"} <= set(flags) and policy.max_isa() in ("avxvnni", "avx512", "amx"):
+            assert "avxvnni-int16" in HERE
+        if "avx_vnni" not in flags:
+            assert "avxvnni-int16" not in HERE
 
 
 def _families_under(cap: str) -> subprocess.CompletedProcess:
@@ -188,7 +215,7 @@ def _families_under(cap: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("cap", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("cap", ["generic", "avx2", "avxvnni", "avx512"])
 def test_isa_cap_limits_the_families(cap):
     p = _families_under(cap)
     assert p.returncode == 0, p.stderr
@@ -197,10 +224,13 @@ def test_isa_cap_limits_the_families(cap):
     assert fams[-1] == "generic"
     if cap == "generic":
         assert fams == ["generic"] and drafter is None
-    if cap in ("generic", "avx2"):
+    if cap in ("generic", "avx2", "avxvnni"):
         assert not {"vnni-int24", "amx-bf16", "avx512-bf16"} & set(fams)
         # on AVX2 the integer family drafts too (from its measured smallest batch); nothing on NEON yet
-        assert drafter == ("avx2-int16" if "avx2-int16" in fams else None)
+        int16 = [f for f in fams if f in ("avxvnni-int16", "avx2-int16")]
+        assert drafter == (int16[0] if int16 else None)
+    if cap in ("generic", "avx2"):
+        assert "avxvnni-int16" not in fams  # the AVX2-only path is what runs under this cap
     assert "amx-bf16" not in fams
 
 

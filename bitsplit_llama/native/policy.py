@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from .build import load
 
-# Every family the library has, on some architecture (x86-64: the first six; AArch64: neon-f32 and
+# Every family the library has, on some architecture (x86-64: the first seven; AArch64: neon-f32 and
 # generic). What runs here is families().
-ALL_FAMILIES = ("vnni-int24", "amx-bf16", "avx512-bf16", "avx2-int16", "avx2-f32", "neon-f32", "generic")
+ALL_FAMILIES = ("vnni-int24", "amx-bf16", "avx512-bf16", "avxvnni-int16", "avx2-int16", "avx2-f32", "neon-f32",
+                "generic")
 # The values BITSPLIT_MAX_ISA accepts, lowest first (avx2 and neon are the same level).
-ISA_LEVELS = ("generic", "avx2", "neon", "avx512", "amx")
+ISA_LEVELS = ("generic", "avx2", "neon", "avxvnni", "avx512", "amx")
 
 
 def _s(p) -> str:

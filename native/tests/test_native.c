@@ -670,8 +670,9 @@ static void test_api_edges(const model * m, const char * work) {
  * loading a valid split, products of every family against the reference, counters
  * ------------------------------------------------------------------------------------------- */
 
-static const char * const FAMILIES[] = {"generic", "avx512-bf16", "amx-bf16", "vnni-int24", "avx2-int16", "avx2-f32", "neon-f32"};
-#define N_FAMILIES 7
+static const char * const FAMILIES[] = {"generic", "avx512-bf16", "amx-bf16", "vnni-int24", "avxvnni-int16", "avx2-int16",
+                                        "avx2-f32", "neon-f32"};
+#define N_FAMILIES 8
 static bool g_family_ok[N_FAMILIES];
 static const int COLS[] = {1, 3, 17, 40};
 #define N_COLS 4
@@ -690,7 +691,7 @@ static bool drafts(int t, int64_t K, int64_t n_cols) {
     if (f[0] == '\0' || n_cols < bitsplit_draft_min_cols()) {
         return false;
     }
-    if (strcmp(f, "avx2-int16") == 0) { /* the types a split holds, rows a multiple of their block */
+    if (strcmp(f, "avx2-int16") == 0 || strcmp(f, "avxvnni-int16") == 0) { /* the types a split holds, rows a multiple of their block */
         const bool k256 = t == GGML_TYPE_Q2_K || t == GGML_TYPE_Q3_K || t == GGML_TYPE_Q4_K || t == GGML_TYPE_Q5_K ||
                           t == GGML_TYPE_Q6_K;
         const bool k32 = t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;

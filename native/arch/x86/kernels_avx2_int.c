@@ -36,7 +36,11 @@
 #include "bitsplit.h"
 #include "bs_internal.h"
 
+#ifdef BS_INT16_VNNI /* compiled a second time as the AVX-VNNI family (kernels_avxvnni_int.c) */
+#define TGT __attribute__((target("avx2,fma,f16c,avxvnni")))
+#else
 #define TGT __attribute__((target("avx2,fma,f16c")))
+#endif
 #define INL TGT static inline __attribute__((always_inline))
 
 #include "avx2_quants.h"
@@ -156,6 +160,13 @@ INL void decode_group(int t, const uint8_t * p, __m256i S, int g, unit_buf * h, 
     if (superblock(t)) {
         *u = gcodes_u(t, p, g);
         *G = group_scales(S, g);
+#ifdef BS_INT16_VNNI
+        if (t == T_Q2_K) {
+            /* u = sc * q (<= 45): per 128-bit half, bytes 0-3 of sc * 0x03020100 are [0, sc, 2sc, 3sc]
+             * (no carries), the table vpshufb reads with q = 0..3 */
+            *u = _mm256_shuffle_epi8(_mm256_mullo_epi16(*G, _mm256_set1_epi32(0x03020100)), *u);
+        }
+#endif
     } else if (t == T_Q8_0) {
         const uint8_t * blk = p + 34 * g;
         *q = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -189,6 +200,19 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
     if (t == T_Q8_0) e0 = _mm256_sign_epi8(e0, q);
     if (superblock(t)) {
         /* |G u X| per lane <= 2 * 2*63*127 * 128 per group, 8 groups: far inside int32 */
+#ifdef BS_INT16_VNNI
+        /* the same integers: Q2_K's codes carry their scale, so vpdpbusd adds four u X into each
+         * lane (|4*45*127| per group). The other types keep vpmaddubsw + vpmaddwd + vpaddd: a
+         * vpdpwssd into the running sum would chain its latency through the unit's 8 groups (Q6_K
+         * R.x at one column 1.19x slower so, measured on a Zen 5) */
+        if (t == T_Q2_K) {
+            /* one chain per digit: two (even and odd groups) measured 2-5% slower (registers) */
+            a->il = _mm256_dpbusd_avx_epi32(a->il, u, e0);
+            if (!coarse) a->ih = _mm256_dpbusd_avx_epi32(a->ih, u, _mm256_loadu_si256((const __m256i *)d1));
+            __asm__("" : "+x"(a->il), "+x"(a->ih));
+            return;
+        }
+#endif
         a->il = _mm256_add_epi32(a->il, _mm256_madd_epi16(_mm256_maddubs_epi16(u, e0), G));
         if (!coarse) {
             const __m256i e1 = _mm256_loadu_si256((const __m256i *)d1);
@@ -199,12 +223,20 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
         __asm__("" : "+x"(a->il), "+x"(a->ih));
         return;
     }
+#ifdef BS_INT16_VNNI
+    __m256i p = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, e0); /* = vpmaddubsw's pairs summed: none saturates */
+#else
     __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, e0), _mm256_set1_epi16(1));
+#endif
     if (!coarse) {
         __m256i e1 = _mm256_loadu_si256((const __m256i *)d1);
         if (t == T_Q8_0) e1 = _mm256_sign_epi8(e1, q);
         /* 255 p1 + p0: exact in int32 and in f32 (|p| <= 256 * 4*128*127 < 2^24) */
+#ifdef BS_INT16_VNNI
+        p = _mm256_dpwssd_avx_epi32(p, _mm256_maddubs_epi16(u, e1), _mm256_set1_epi16(255));
+#else
         p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(u, e1), _mm256_set1_epi16(255)));
+#endif
     }
     a->f[g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), D, a->f[g & 1]);
 }
@@ -377,6 +409,39 @@ static void int16_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * 
     if (f != NULL) f(job, r0, r1, scratch); /* int16_supports admitted the job */
 }
 
+#ifdef BS_INT16_VNNI
+static int vnni256_cached = -1;
+/* AVX-VNNI (VEX vpdpbusd/vpdpwssd): CPUID leaf 7, sub-leaf 1, EAX bit 4 */
+static bool avx2_vnni256(void) {
+    if (vnni256_cached < 0) {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+        const unsigned max_leaf = a;
+        a = 0;
+        if (max_leaf >= 7) __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+        vnni256_cached = avx2_fma_f16c() && (a & (1u << 4)) != 0;
+    }
+    return vnni256_cached == 1;
+}
+
+const bs_kernel_family bs_family_avxvnni_int16 = {
+    "avxvnni-int16", BS_ISA_AVXVNNI, avx2_vnni256, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
+    /* drafting (8-bit activations) from 2 columns: measured on a 2-core Zen 5 under
+     * BITSPLIT_MAX_ISA=avxvnni (python bench/draft_speed.py SPLIT --repeat 9, Qwen2.5-Coder-1.5B's
+     * Q2_K base, against ggml's AVX-512 kernels): native/ggml time 1.10 at 1 column, 0.79 at 2,
+     * 0.82 at 3, 0.75 at 4 (avx2-int16 there: 1.05, 0.74, 0.75, 0.70: the drafter is not bound by
+     * its multiplies) */
+    2,
+    /* avx2-int16's integers with fewer instructions for the Q2_K half (2 instead of 6 per 32
+     * weights and column); preferred up to 6 columns, as avx2-int16. Measured on a 2-core Zen 5,
+     * Qwen2.5-Coder-1.5B q6_k split, W2 + R, both families in one process, interleaved (python
+     * bench/residual_speed.py SPLIT --kernel avxvnni-int16,avx2-int16): time avx2-int16 /
+     * avxvnni-int16 0.97 at 1 column, 1.06-1.08 at 2, 1.03 at 3, 1.06 at 4, 1.12 at 6, 1.09 at 8,
+     * 0.98 at 16; R alone 0.97-1.05; time avx2-f32 / avxvnni-int16 2.09 at 1, 1.04 at 6, 0.76 at 8 */
+    6,
+    .exact_weights = true,
+};
+#else
 const bs_kernel_family bs_family_avx2_int16 = {
     "avx2-int16", BS_ISA_AVX2, avx2_fma_f16c, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
     /* drafting (8-bit activations) from 4 columns: measured on Qwen2.5-Coder-1.5B's Q2_K base, 2-core
@@ -392,5 +457,6 @@ const bs_kernel_family bs_family_avx2_int16 = {
     6,
     .exact_weights = true,
 };
+#endif /* BS_INT16_VNNI */
 
 #endif /* __x86_64__ */
