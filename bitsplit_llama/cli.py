@@ -252,6 +252,8 @@ def run(
     precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
     drafter: str = typer.Option("auto", "--drafter",
                                 help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
+    draft_stop: str = typer.Option("off", "--draft-stop",
+                                   help="End a draft before its node budget when the next drafter round holds too little probability: 'off', 'auto' (less than the round costs in tokens, measured as it runs) or a path probability in [0, 1]."),
     verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's log."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, statistics)."),
 ) -> None:
@@ -265,7 +267,7 @@ def run(
     results = []
     with Generator(model_dir, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, tree_nodes=nodes,
                    precision=precision, verbose=verbose, drafter=drafter, log=_say, rpc=rpc,
-                   rpc_timeout=rpc_timeout) as gen:
+                   rpc_timeout=rpc_timeout, draft_stop=draft_stop) as gen:
         if gen.auto_choice:
             _say(f"tree: {gen.shape.nodes} nodes (width {gen.shape.width}, {gen.shape.rounds} rounds), chosen for this "
                  f"machine: expected {gen.auto_choice['expected_tokens_per_second']} tokens/s")
@@ -403,6 +405,8 @@ def bench(
     rpc_timeout: float = RPC_TIMEOUT,
     overlap: bool = typer.Option(True, "--overlap/--no-overlap",
                                  help="With --rpc: compute R . x beside the device's W2 . x (default) or after it."),
+    draft_stop: str = typer.Option("off", "--draft-stop",
+                                   help="End a draft before its node budget when the next drafter round holds too little probability: 'off', 'auto' (less than the round costs in tokens, measured as it runs) or a path probability in [0, 1]."),
     with_no_spec: bool = typer.Option(False, "--with-no-spec",
                                       help="Also run bitsplit's verifier alone on every prompt, interleaved in the same run."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of the runs."),
@@ -417,7 +421,7 @@ def bench(
     rep = run_bench(model_dir, vs, prompts=load_prompts(prompts), n_predict=n_predict, temp=temp, threads=threads,
                     repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
                     drafter=drafter, with_no_spec=with_no_spec, log=None if quiet or as_json else _say, rpc=rpc,
-                    rpc_timeout=rpc_timeout, overlap=overlap, n_gpu_layers=n_gpu_layers)
+                    rpc_timeout=rpc_timeout, overlap=overlap, n_gpu_layers=n_gpu_layers, draft_stop=draft_stop)
     s = rep.summary()
     if plot_path is not None:
         plot(rep, plot_path)
@@ -439,6 +443,9 @@ def bench(
                   f"{s['speedup_vs_no_spec']:.2f}x)")
     t.add_row("tokens per verify", "1", f"{s['accepted_per_verify']:.2f}")
     t.add_row("tree (nodes, width, rounds); drafter", "-", f"{s['tree_shape']}; {s['drafter']}")
+    if s["draft_stop"] is not None:
+        t.add_row("nodes verified per cycle; early stops", "-",
+                  f"{s['drafted_per_verify']:.1f}; {s['draft_early_stops']} (--draft-stop {s['draft_stop']})")
     t.add_row("peak RSS", _fmt_bytes(s["vs_peak_rss_bytes"]), _fmt_bytes(s["peak_rss_bytes"]))
     ts = s["time_split"]
     t.add_row("time: draft / verify / other", "-",

@@ -11,7 +11,7 @@ import pytest
 from bitsplit_llama.errors import ContextLimitError, InvalidOptionError
 from bitsplit_llama.runtime.llamacpp import Context
 from bitsplit_llama.speculative.engine import (MAX_SEQ, MAX_TREE_DEPTH, MAX_TREE_NODES, Engine, Stats, TreeShape,
-                                               max_lanes, n_seq_max_for)
+                                               max_lanes, n_seq_max_for, parse_draft_stop)
 from bitsplit_llama.speculative.generate import Generator
 from bitsplit_llama.speculative.sampling import SamplingParams
 from test_verifier import make_f32_split
@@ -124,6 +124,50 @@ def test_speculative_sampling_is_lossless(tiny_split, nodes):
         stat, df = _two_sample_chi2(samples[False][idx], samples[True][idx])
         assert df >= 3, "the test needs several outcomes to mean anything"
         assert stat < _chi2_critical(df, 0.001), (idx, stat, df)
+
+
+def test_draft_stop_values(tiny_split):
+    assert parse_draft_stop(None) is None and parse_draft_stop("off") is None and parse_draft_stop("0") is None
+    assert parse_draft_stop("auto") == "auto" and parse_draft_stop("0.25") == 0.25 and parse_draft_stop(1) == 1.0
+    for bad in ("sometimes", "1.5", "-0.1", "nan", ""):
+        with pytest.raises(InvalidOptionError, match="--draft-stop"):
+            parse_draft_stop(bad)
+    with pytest.raises(InvalidOptionError, match="'often'"):
+        Generator(tiny_split, n_ctx=128, tree_nodes=8, draft_stop="often")
+
+
+def test_draft_stop_auto_prices_a_round_in_tokens(tiny_split):
+    """auto: no early stop until a cycle has been measured; then the threshold is the seconds per
+    drafter round over the seconds per emitted token (exponential averages)."""
+    with Generator(tiny_split, n_ctx=128, tree_nodes=16, draft_stop="auto") as g:
+        e = g.engine
+        assert e.stop_mass() == 0.0
+        e._measure_cycle(seconds=1.0, n_emitted=10, draft_s=0.2, n_passes=4)
+        assert e.stop_mass() == pytest.approx(0.05 / 0.1)
+        e._measure_cycle(seconds=1.0, n_emitted=5, draft_s=0.2, n_passes=4)  # tokens dearer: stop later
+        assert e.stop_mass() == pytest.approx(0.05 / (0.7 * 0.1 + 0.3 * 0.2))
+        g.engine._round_s = g.engine._token_s = None
+        g.generate(PROMPTS[0], max_tokens=24)
+        assert g.engine.stop_mass() > 0.0  # measured by a real cycle
+
+
+@pytest.mark.parametrize("stop", [0.9, "auto"])
+def test_early_stop_drafts_less_and_changes_no_token(tiny_split, stop):
+    """A draft that ends before its budget (the next round's nodes hold less path probability than the
+    threshold) keeps its last nodes as leaves: fewer drafter passes, the verifier's tokens unchanged."""
+    runs = {}
+    for s in (None, stop):
+        with Generator(tiny_split, n_ctx=512, tree_nodes=64, draft_stop=s) as g:
+            res = [g.generate(p, max_tokens=40) for p in PROMPTS[:3]]
+            plain = [g.generate(p, max_tokens=40, speculative=False).tokens for p in PROMPTS[:3]]
+            assert [r.tokens for r in res] == plain
+            runs[s] = ([r.tokens for r in res], sum(r.stats.n_draft_passes for r in res),
+                       sum(r.stats.n_early_stops for r in res), sum(r.stats.n_verify for r in res))
+    assert runs[None][0] == runs[stop][0]
+    assert runs[None][2] == 0
+    if stop == 0.9:  # a threshold this high stops nearly every draft after its first rounds
+        assert runs[stop][2] > 0
+        assert runs[stop][1] / runs[stop][3] < runs[None][1] / runs[None][3]
 
 
 def test_separate_kv_drafter_gives_the_verifiers_tokens(tiny_split):

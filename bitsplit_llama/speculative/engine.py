@@ -22,6 +22,7 @@ Contract: each cycle emits at least one token, every one a draw from the verifie
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -96,6 +97,7 @@ class Stats:
     residual_seconds: float = 0.0
     residual_bytes: int = 0      # residual (and base) bytes read by the native products
     draft_decode_seconds: float = 0.0   # inside llama_decode while drafting (the rest is Python)
+    n_early_stops: int = 0       # drafts ended before their budget: the next round was not worth its cost
     verify_decode_seconds: float = 0.0  # inside llama_decode while verifying
     accept_hist: list[int] = field(default_factory=list)
 
@@ -118,6 +120,7 @@ class Stats:
             "verify_seconds": round(self.verify_seconds, 4), "residual_seconds": round(self.residual_seconds, 4),
             "residual_bytes": self.residual_bytes, "draft_decode_seconds": round(self.draft_decode_seconds, 4),
             "verify_decode_seconds": round(self.verify_decode_seconds, 4),
+            "draft_early_stops": self.n_early_stops,
             "total_seconds": round(self.total_seconds, 4),
         }
 
@@ -209,8 +212,13 @@ class Engine:
     """
 
     def __init__(self, sm, shape: TreeShape | None = None, draft_ctx: Context | None = None,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, draft_stop: str | float | None = None):
         self.sm = sm
+        self.draft_stop = parse_draft_stop(draft_stop)
+        # measured costs for draft_stop "auto" (exponential averages, None until a cycle measured
+        # them): seconds per drafter round, seconds per emitted token
+        self._round_s: float | None = None
+        self._token_s: float | None = None
         self.ctx: Context = sm.ctx
         self.shape = shape or TreeShape.for_nodes(16)
         self.shape.validate()
@@ -373,6 +381,13 @@ class Engine:
                 added = builder.next_round()
                 if not added or rnd == rounds - 1 or len(builder.tree) >= nodes + shape.width:
                     break
+                # early stop: decoding these nodes yields their children, which can add at most
+                # the nodes' own path probability (the drafter's) in expected accepted tokens; a
+                # round costs stop_mass tokens' worth of time. They stay in the tree as leaves.
+                stop_mass = self.stop_mass()
+                if stop_mass > 0 and sum(math.exp(builder.tree.nodes[i].logp) for i in added) < stop_mass:
+                    stats.n_early_stops += 1
+                    break
                 # lanes: a first child continues its parent's lane, others get a copy of it; past the
                 # context's lanes, this round's nodes stay undecoded leaves (as the last round's)
                 parents = {builder.tree.nodes[i].parent for i in added}
@@ -402,6 +417,27 @@ class Engine:
                 ctx.seq_rm(lane, -1, -1)
         stats.draft_seconds += time.perf_counter() - t0
         return builder.tree.best(nodes).dfs()
+
+    def stop_mass(self) -> float:
+        """The path probability below which a drafter round is not worth its cost (0: never stop
+        early): the fixed ``draft_stop``, or for "auto" the measured seconds per drafter round over
+        the seconds per emitted token (a round's cost in tokens), once a cycle has measured them."""
+        if self.draft_stop is None:
+            return 0.0
+        if self.draft_stop != "auto":
+            return float(self.draft_stop)
+        if self._round_s is None or not self._token_s:
+            return 0.0
+        return self._round_s / self._token_s
+
+    def _measure_cycle(self, seconds: float, n_emitted: int, draft_s: float, n_passes: int) -> None:
+        """Fold one speculative cycle's costs into the averages draft_stop "auto" reads."""
+        if n_emitted < 1 or n_passes < 1:
+            return
+        a = 0.3
+        tok, rnd = seconds / n_emitted, draft_s / n_passes
+        self._token_s = tok if self._token_s is None else (1 - a) * self._token_s + a * tok
+        self._round_s = rnd if self._round_s is None else (1 - a) * self._round_s + a * rnd
 
     # -- one cycle --------------------------------------------------------------------------------
     def _verify(self, tree: DraftTree, sp: SamplingParams, rng, stats: Stats) -> list[int]:
@@ -525,8 +561,11 @@ class Engine:
                 depth = min(room, max_tokens - stats.n_emitted - 1) if spec else 0
                 nodes = self.shape.nodes if depth > 0 else 0
                 if nodes > 0:
+                    tc, dd, dp = time.perf_counter(), stats.draft_decode_seconds, stats.n_draft_passes
                     tree = self._draft(id_last, sp, nodes, stats, depth)
                     emitted = self._verify(tree, sp, rng, stats)
+                    self._measure_cycle(time.perf_counter() - tc, len(emitted), stats.draft_decode_seconds - dd,
+                                        stats.n_draft_passes - dp)
                 else:
                     emitted = self._plain_step(id_last, sp, rng, stats)
                 # limits: max_tokens and stop tokens cut the emitted list. The cycle left the root
@@ -547,6 +586,23 @@ class Engine:
         finally:
             self._flush_junk()
             stats.total_seconds += time.perf_counter() - t0
+
+
+def parse_draft_stop(value: str | float | None) -> str | float | None:
+    """``--draft-stop``: "off" (or None: draft every round the tree's budget allows), "auto" (stop
+    when the next round's nodes hold less path probability than a round costs in tokens, measured),
+    or a fixed path probability in [0, 1]."""
+    if value is None or value == "off":
+        return None
+    if value == "auto":
+        return "auto"
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise InvalidOptionError(f"--draft-stop: {value!r} is not 'off', 'auto' or a probability in [0, 1]") from None
+    if not 0.0 <= v <= 1.0:
+        raise InvalidOptionError(f"--draft-stop: {value!r} is not 'off', 'auto' or a probability in [0, 1]")
+    return v if v > 0 else None
 
 
 def cycle_cells(shape: TreeShape) -> int:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from .engine import Engine, Stats, TreeShape, n_seq_max_for, reserve_for
+from .engine import Engine, Stats, TreeShape, n_seq_max_for, parse_draft_stop, reserve_for
 from ..errors import BusyError, InvalidOptionError
 from .sampling import SamplingParams
 from ..runtime.verifier import SplitModel
@@ -47,8 +47,10 @@ class Generator:
     def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int | None = None, tree_nodes: int | str = 16, shape: TreeShape | None = None,
                  precision: str = "auto", verbose: bool = False, n_batch: int = 512, kernel: str | None = None,
-                 drafter: str = "auto", log=None, rpc=None, rpc_timeout: float = 60.0, overlap: bool = True):
+                 drafter: str = "auto", log=None, rpc=None, rpc_timeout: float = 60.0, overlap: bool = True,
+                 draft_stop: str | float | None = None):
         auto = shape is None and tree_nodes == "auto"
+        draft_stop = parse_draft_stop(draft_stop)  # a bad value fails before the model loads
         if not auto and shape is None and not isinstance(tree_nodes, int):
             raise InvalidOptionError(f"--tree-nodes: {tree_nodes!r} is neither 'auto' nor a non-negative integer")
         self.shape = shape or (TreeShape(0, 1, 1) if auto else TreeShape.for_nodes(tree_nodes))
@@ -98,7 +100,7 @@ class Generator:
                                     "rank_probs": prof.rank_probs, "from": "rank model"}
         # plain steps carry two rows; tree passes 1 + nodes
         self.kernel = self.sm.residual.choose_decode_kernel(max(2, self.shape.nodes + 1), kernel)
-        self.engine = Engine(self.sm, self.shape)
+        self.engine = Engine(self.sm, self.shape, draft_stop=draft_stop)
         self.model = self.sm.model
         self._lock = threading.Lock()
         self.last_stats: Stats | None = None

@@ -105,7 +105,7 @@ def _worker(cfg: dict) -> None:
         gen = Generator(cfg["path"], n_ctx=n_ctx, n_threads=threads, tree_nodes=cfg["tree_nodes"],
                         kernel=cfg.get("kernel"), drafter=cfg.get("drafter", "auto"), rpc=cfg.get("rpc"),
                         rpc_timeout=cfg.get("rpc_timeout", 60.0), overlap=cfg.get("overlap", True),
-                        n_gpu_layers=cfg.get("n_gpu_layers"))
+                        n_gpu_layers=cfg.get("n_gpu_layers"), draft_stop=cfg.get("draft_stop"))
 
         def generate(req):
             sp = SamplingParams(temperature=req["temp"], seed=req["seed"])
@@ -224,13 +224,15 @@ class BenchReport:
     seconds: float = 0.0
     rpc: str | None = None
     overlap: bool = True
+    draft_stop: str | float | None = None
 
     def summary(self) -> dict:
         med = statistics.median(self.rates) if self.rates else 0.0
         vmed = statistics.median(self.vs_rates) if self.vs_rates else 0.0
         tot = {k: sum(s.get(k, 0) for s in self.stats) for k in
                ("n_tokens", "n_verify", "n_draft_passes", "draft_seconds", "verify_seconds", "residual_seconds", "residual_bytes",
-                "total_seconds", "prompt_seconds", "draft_decode_seconds", "verify_decode_seconds")}
+                "total_seconds", "prompt_seconds", "draft_decode_seconds", "verify_decode_seconds", "draft_early_stops",
+                "n_drafted")}
         gen = max(1e-9, tot["total_seconds"] - tot["prompt_seconds"])
         other = gen - tot["draft_seconds"] - tot["verify_seconds"]
         res_bps = tot["residual_bytes"] / tot["residual_seconds"] if tot["residual_seconds"] else 0.0
@@ -243,6 +245,8 @@ class BenchReport:
             "median_pair_ratio": round(statistics.median(self.per_prompt_ratio), 4) if self.per_prompt_ratio else 0.0,
             "accepted_per_verify": round(tot["n_tokens"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
             "draft_passes_per_verify": round(tot["n_draft_passes"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
+            "drafted_per_verify": round(tot["n_drafted"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
+            "draft_stop": self.draft_stop, "draft_early_stops": tot["draft_early_stops"],
             "tree_nodes": self.tree_nodes, "tree_shape": last.get("shape"), "kernel": last.get("kernel"), "drafter": last.get("drafter"),
             "draft_products": last.get("draft_products", 0),
             "time_split": {"draft": round(tot["draft_seconds"] / gen, 4), "verify": round(tot["verify_seconds"] / gen, 4),
@@ -300,7 +304,8 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
               tree_nodes: int | str = "auto", n_ctx: int = 2048, kernel: str | None = None,
               drafter: str = "auto", with_no_spec: bool = False,
               log: Callable[[str], None] | None = None, rpc: str | None = None, rpc_timeout: float = 60.0,
-              overlap: bool = True, n_gpu_layers: int | None = None) -> BenchReport:
+              overlap: bool = True, n_gpu_layers: int | None = None,
+              draft_stop: str | float | None = None) -> BenchReport:
     """Stock llama.cpp and bitsplit on the same prompts, interleaved per prompt (stock, bitsplit, and
     with ``with_no_spec`` bitsplit's verifier alone in the same worker), same threads."""
     from ..formats.gguf_file import check_readable_file
@@ -326,17 +331,21 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
         rpc_mod.check_timeout(rpc_timeout)
         rpc_mod.require()
     threads = threads or default_threads()
+    from ..speculative.engine import parse_draft_stop
+
+    draft_stop = parse_draft_stop(draft_stop)  # refused before any worker starts
     prompts = prompts or list(DEFAULT_PROMPTS)
     say = log or (lambda s: None)
     t_start = time.monotonic()
     rep = BenchReport(str(model_dir), str(vs), threads, n_predict, temp, tree_nodes, prompts, rpc=rpc,
-                      overlap=overlap)
+                      overlap=overlap, draft_stop=draft_stop)
     say(f"starting workers ({threads} threads each): stock {Path(vs).name}, bitsplit {model_dir}")
     stock = _Side({"side": "stock", "path": str(vs), "n_ctx": n_ctx, "threads": threads})
     try:
         bit = _Side({"side": "bitsplit", "path": str(model_dir), "n_ctx": n_ctx, "threads": threads,
                      "tree_nodes": tree_nodes, "kernel": kernel, "drafter": drafter, "rpc": rpc,
-                     "rpc_timeout": rpc_timeout, "overlap": overlap, "n_gpu_layers": n_gpu_layers})
+                     "rpc_timeout": rpc_timeout, "overlap": overlap, "n_gpu_layers": n_gpu_layers,
+                     "draft_stop": draft_stop})
         try:
             warm = {"prompt": prompts[0], "n": 8, "temp": temp, "seed": 1}
             stock.run(warm)
