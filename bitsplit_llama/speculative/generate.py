@@ -48,7 +48,7 @@ class Generator:
                  n_gpu_layers: int | None = None, tree_nodes: int | str = 16, shape: TreeShape | None = None,
                  precision: str = "auto", verbose: bool = False, n_batch: int = 512, kernel: str | None = None,
                  drafter: str = "auto", log=None, rpc=None, rpc_timeout: float = 60.0, overlap: bool = True,
-                 draft_stop: str | float | None = None):
+                 draft_stop: str | float | None = "auto"):
         auto = shape is None and tree_nodes == "auto"
         draft_stop = parse_draft_stop(draft_stop)  # a bad value fails before the model loads
         if not auto and shape is None and not isinstance(tree_nodes, int):

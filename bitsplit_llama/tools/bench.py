@@ -305,7 +305,7 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
               drafter: str = "auto", with_no_spec: bool = False,
               log: Callable[[str], None] | None = None, rpc: str | None = None, rpc_timeout: float = 60.0,
               overlap: bool = True, n_gpu_layers: int | None = None,
-              draft_stop: str | float | None = None) -> BenchReport:
+              draft_stop: str | float | None = "auto") -> BenchReport:
     """Stock llama.cpp and bitsplit on the same prompts, interleaved per prompt (stock, bitsplit, and
     with ``with_no_spec`` bitsplit's verifier alone in the same worker), same threads."""
     from ..formats.gguf_file import check_readable_file
