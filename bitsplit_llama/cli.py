@@ -78,6 +78,10 @@ RPC_TIMEOUT = typer.Option(60.0, "--rpc-timeout", callback=_check_rpc_timeout,
                            help="Seconds an RPC server may take to answer; past that the run ends with an error.")
 NGL = typer.Option(None, "--n-gpu-layers", "-ngl",
                    help="Base layers to offload to the GPU or the --rpc servers (default: 0, or all with --rpc).")
+DRAFT_STOP = typer.Option("auto", "--draft-stop",
+                          help="End a draft before its node budget when the next drafter round holds too little "
+                               "probability: 'off', 'auto' (less than the round costs in tokens, measured as it "
+                               "runs) or a path probability in [0, 1].")
 
 
 def _print_json(obj: dict) -> None:
@@ -252,8 +256,7 @@ def run(
     precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
     drafter: str = typer.Option("auto", "--drafter",
                                 help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
-    draft_stop: str = typer.Option("auto", "--draft-stop",
-                                   help="End a draft before its node budget when the next drafter round holds too little probability: 'off', 'auto' (less than the round costs in tokens, measured as it runs) or a path probability in [0, 1]."),
+    draft_stop: str = DRAFT_STOP,
     verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's log."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, statistics)."),
 ) -> None:
@@ -405,8 +408,7 @@ def bench(
     rpc_timeout: float = RPC_TIMEOUT,
     overlap: bool = typer.Option(True, "--overlap/--no-overlap",
                                  help="With --rpc: compute R . x beside the device's W2 . x (default) or after it."),
-    draft_stop: str = typer.Option("auto", "--draft-stop",
-                                   help="End a draft before its node budget when the next drafter round holds too little probability: 'off', 'auto' (less than the round costs in tokens, measured as it runs) or a path probability in [0, 1]."),
+    draft_stop: str = DRAFT_STOP,
     with_no_spec: bool = typer.Option(False, "--with-no-spec",
                                       help="Also run bitsplit's verifier alone on every prompt, interleaved in the same run."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of the runs."),

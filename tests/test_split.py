@@ -70,6 +70,15 @@ def assert_reconstructs(src_path: Path, out: Path, names: list[str] | None = Non
     return checked
 
 
+def assert_verifier_runs(split: Path) -> None:
+    """The split loads and its verifier decodes a few tokens to finite logits."""
+    from bitsplit_llama.runtime.verifier import SplitModel
+
+    with SplitModel(split, n_ctx=64) as sm, sm.verifying() as ctx:
+        ctx.decode([1, 300, 301], [0, 1, 2])
+        assert np.isfinite(ctx.logits(3)).all()
+
+
 @pytest.mark.parametrize("residual", ["q6_k", "q8_0", "f16"])
 def test_split_reconstructs_source(tiny_f32, tmp_path, residual):
     rep = split_model(tiny_f32, tmp_path / "out", residual=residual, threads=2)
@@ -562,8 +571,6 @@ def test_residual_auto_meets_the_budget_and_spends_it_well(tiny_f32, tmp_path):
     """--residual auto: each tensor gets one of Q4_K..Q8_0, the residual stays within the bits per
     weight asked, reconstructs the source within each chosen type's bound, and a larger budget never
     makes the weights worse; the verifier runs on the mixed types."""
-    from bitsplit_llama.runtime.verifier import SplitModel
-
     errors = []
     for bpw in (4.5, 5.0, 5.5, 6.6, 8.5):
         out = tmp_path / f"auto-{bpw}"
@@ -580,13 +587,7 @@ def test_residual_auto_meets_the_budget_and_spends_it_well(tiny_f32, tmp_path):
     assert split_info(tmp_path / "auto-4.5").residual_types == {"Q4_K": len(rep.residual_tensors)}
     assert split_info(tmp_path / "auto-8.5").residual_types == {"Q8_0": len(rep.residual_tensors)}
     assert len(split_info(tmp_path / "auto-5.5").residual_types) > 1  # a real mix in between
-    sm = SplitModel(tmp_path / "auto-5.5", n_ctx=64)
-    try:
-        with sm.verifying() as ctx:
-            ctx.decode([1, 300, 301], [0, 1, 2])
-            assert np.isfinite(ctx.logits(3)).all()
-    finally:
-        sm.close()
+    assert_verifier_runs(tmp_path / "auto-5.5")
 
 
 def test_residual_auto_follows_the_importance_matrix(tiny_f32, tmp_path):

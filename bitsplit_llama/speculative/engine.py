@@ -599,8 +599,8 @@ def parse_draft_stop(value: str | float | None) -> str | float | None:
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise InvalidOptionError(f"--draft-stop: {value!r} is not 'off', 'auto' or a probability in [0, 1]") from None
-    if not 0.0 <= v <= 1.0:
+        v = math.nan
+    if not 0.0 <= v <= 1.0:  # also not a number at all (nan)
         raise InvalidOptionError(f"--draft-stop: {value!r} is not 'off', 'auto' or a probability in [0, 1]")
     return v if v > 0 else None
 
