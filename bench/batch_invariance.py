@@ -4,7 +4,7 @@ bit for bit with the first size listed; for the verifier in batch-invariant mode
 verifier without it, and the drafter (llama.cpp's own kernels, residual off):
 
     python bench/batch_invariance.py SPLIT_DIR [--rows 1,2,17,64,65,256] [--kernel avx2-int16,avx2-f32]
-                                               [--nodes] [--prompt] [--time N]
+                                               [--nodes] [--prompt] [--time N] [--text FILE --context N]
 
 ``--nodes``: every node of the graph is observed (an eval callback in front of the library's own,
 which it calls first) and the first ``ne[0]`` values of each F32 node in host memory (row 0: the
@@ -13,8 +13,12 @@ order, whose row 0 differs from the reference batch is printed with its op and s
 differing nodes by op. That is where a token's result starts to depend on its batch.
 
 ``--prompt``: the verifier's logits at every prompt position, the prompt decoded in one batch
-against one token at a time as generation's steps decode them (what ``eval`` computes against what
-generation computes).
+against one token at a time as generation's steps decode them (two rows, the second a throw-away
+copy; what ``eval`` computes against what generation computes), and against single-row passes.
+
+``--text FILE --context N``: the prompt is the first N tokens of FILE (repeated if shorter) instead
+of a 29-token snippet, so that attention reads N cached positions (llama.cpp's CPU flash attention
+changes path for one row from 512).
 
 ``--time N``: the verify pass's time per batch size, batch-invariant against not, interleaved,
 median of N (the cost of the invariance, measured in one run).
@@ -52,6 +56,9 @@ def main() -> None:
                     help="llama.cpp's flash attention for the batch-invariant verifier (default: off, as the engine "
                          "sets it on the CPU); the other modes run with llama.cpp's default (auto)")
     ap.add_argument("--time", type=int, default=0, metavar="N", help="time each pass N times, interleaved")
+    ap.add_argument("--text", default=None, metavar="FILE", help="take the prompt from this text file")
+    ap.add_argument("--context", type=int, default=0, metavar="N",
+                    help="prompt length in tokens with --text (default: the whole text, at most 4000)")
     a = ap.parse_args()
     try:
         rows = [int(r) for r in a.rows.split(",")]
@@ -64,11 +71,29 @@ def main() -> None:
         ap.error(f"--modes: '{a.modes}': expected some of {', '.join(MODES)}")
     if a.time < 0:
         ap.error(f"--time: {a.time} is negative")
+    if a.context < 0 or (a.context and a.text is None):
+        ap.error(f"--context {a.context}: give a positive length, with --text FILE")
+    text = None
+    if a.text is not None:
+        try:
+            text = Path(a.text).read_text(errors="replace")
+        except OSError as exc:
+            ap.error(f"--text: {a.text}: {exc.strerror}")
+        if not text.strip():
+            ap.error(f"--text: {a.text} is empty")
     max_rows = max(rows)
     fa = {"auto": None, "on": True, "off": False}[a.flash_attn]
-    sm = SplitModel(a.split, n_ctx=1024, n_batch=max(max_rows, 64), n_seq_max=max(max_rows, 2), fast_drafter=False,
+    n_prompt = (a.context or 4000) if text is not None else 64
+    n_ctx = max(1024, n_prompt + max_rows + 16)
+    n_batch = max(max_rows, 64, n_prompt if text is not None else 0)
+    sm = SplitModel(a.split, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=max(max_rows, 2), fast_drafter=False,
                     flash_attn=fa)
-    probe = Probe(sm, max_rows, fa)
+    probe = Probe(sm, max_rows, fa, n_ctx=n_ctx, n_batch=n_batch)
+    if text is not None:
+        toks = sm.model.tokenize(text)
+        while len(toks) < n_prompt:
+            toks = toks + toks
+        probe.prompt = toks[:n_prompt]
     print(f"batch-invariant verifier: flash attention {a.flash_attn}; without invariance and drafter: llama.cpp's "
           "default")
     try:
@@ -99,7 +124,8 @@ class Probe:
     """A context of its own over the split model whose eval callback calls the library's and, while
     recording, keeps row 0 of every F32 host node."""
 
-    def __init__(self, sm: SplitModel, max_rows: int, flash_attn: bool | None = None):
+    def __init__(self, sm: SplitModel, max_rows: int, flash_attn: bool | None = None, n_ctx: int = 1024,
+                 n_batch: int = 64):
         import llama_cpp
 
         from bitsplit_llama import native
@@ -131,7 +157,8 @@ class Probe:
 
         self._cfun = ll.ggml_backend_sched_eval_callback(cb)
         addr = ctypes.cast(self._cfun, ctypes.c_void_p).value
-        kw = dict(n_ctx=1024, n_batch=max(max_rows, 64), n_seq_max=max(max_rows, 2), cb_eval=addr, cb_eval_user_data=0)
+        kw = dict(n_ctx=n_ctx, n_batch=max(max_rows, n_batch), n_seq_max=max(max_rows, 2), cb_eval=addr,
+                  cb_eval_user_data=0)
         # the batch-invariant verifier's context, and one with llama.cpp's default attention
         self.ctx_inv = Context(sm.model, flash_attn=flash_attn, **kw)
         self.ctx_default = Context(sm.model, **kw)
@@ -156,7 +183,8 @@ class Probe:
         self.seen.clear()
         self.record = nodes
         t0 = time.perf_counter()
-        ctx.decode([prompt[-1]] + [100 + i for i in range(rows - 1)], [n] * rows, seq_ids=[[s] for s in range(rows)],
+        nv = self.sm.model.n_vocab
+        ctx.decode([prompt[-1]] + [(100 + i) % nv for i in range(rows - 1)], [n] * rows, seq_ids=[[s] for s in range(rows)],
                    logits=[True] + [all_logits] * (rows - 1))
         dt = time.perf_counter() - t0
         self.record = False
@@ -209,23 +237,28 @@ def compare_rows(probe: Probe, mode: str, rows: list[int], nodes: bool) -> None:
 
 def compare_prompt(probe: Probe) -> None:
     """The prompt in one batch (as ``eval`` and a prompt are processed) against token by token as
-    generation's plain steps decode them: two rows, the second a throw-away copy in its own lane."""
+    generation's plain steps decode them (two rows, the second a throw-away copy in its own lane),
+    and against single-row passes."""
     probe.set_mode("verifier")
     ctx, prompt = probe.ctx, probe.prompt
     n = len(prompt)
     ctx.clear()
     ctx.decode(prompt, range(n), logits=True)
     whole = np.stack([ctx.logits_ith(i).copy() for i in range(n)])
-    ctx.clear()
-    single = []
-    for i, t in enumerate(prompt):
-        ctx.decode([t, t], [i, i], seq_ids=[[0], [1]], logits=[True, False])
-        single.append(ctx.logits_ith(0).copy())
-        ctx.seq_rm(1, -1, -1)
-    single = np.stack(single)
-    eq = sum(np.array_equal(a, b) for a, b in zip(whole, single))
-    print(f"prompt ({n} tokens): logits identical, one batch against generation's steps, at {eq} of {n} positions; "
-          f"max |difference| {float(np.abs(whole - single).max()):.3g}", flush=True)
+    for rows in (2, 1):
+        ctx.clear()
+        single = []
+        for i, t in enumerate(prompt):
+            ctx.decode([t] * rows, [i] * rows, seq_ids=[[s] for s in range(rows)], logits=[True] + [False] * (rows - 1))
+            single.append(ctx.logits_ith(0).copy())
+            if rows > 1:
+                ctx.seq_rm(1, -1, -1)
+        single = np.stack(single)
+        eq = sum(np.array_equal(a, b) for a, b in zip(whole, single))
+        what = "generation's steps (2 rows)" if rows == 2 else "single-row passes"
+        print(f"prompt ({n} tokens): logits identical, one batch against {what}, at {eq} of {n} positions; "
+              f"max |difference| {float(np.abs(whole - single).max()):.3g}", flush=True)
+    probe.sm.residual.raise_pending_error()
 
 
 def time_passes(probe: Probe, rows: list[int], repeat: int) -> None:

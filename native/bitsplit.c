@@ -157,6 +157,9 @@ void bitsplit_ctx_get_counters(const bitsplit_ctx * c, bitsplit_counters * out) 
     out->ns_wait = atomic_load(&ctx->c_ns_wait);
     out->n_stops = atomic_load(&ctx->c_stops);
     out->n_exact_products = atomic_load(&ctx->c_exact);
+    out->n_attn_products = atomic_load(&ctx->c_attn);
+    out->ns_attn = atomic_load(&ctx->c_ns_attn);
+    out->n_softmax = atomic_load(&ctx->c_softmax);
 }
 
 void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
@@ -180,6 +183,9 @@ void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
     atomic_store(&ctx->c_ns_wait, 0);
     atomic_store(&ctx->c_stops, 0);
     atomic_store(&ctx->c_exact, 0);
+    atomic_store(&ctx->c_attn, 0);
+    atomic_store(&ctx->c_ns_attn, 0);
+    atomic_store(&ctx->c_softmax, 0);
 }
 
 int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size) {
@@ -254,6 +260,8 @@ const char * bitsplit_draft_kernel(void) {
     const bs_kernel_family * f = bs_draft_policy(NULL);
     return f != NULL ? f->name : "";
 }
+
+const char * bitsplit_attn_kernel(void) { return bs_attn_kernel_name(); }
 
 int bitsplit_draft_min_cols(void) {
     const bs_kernel_family * f = bs_draft_policy(NULL);

@@ -75,6 +75,9 @@ typedef struct bitsplit_counters {
     uint64_t ns_wait;           /* time the graph waited for such an R . x after the device's part */
     uint64_t n_stops;           /* nodes the graph stopped after for this library (each a device sync) */
     uint64_t n_exact_products;  /* base weights without residual computed here (batch invariance) */
+    uint64_t n_attn_products;   /* attention's KV-cache products (KQ, KQV) computed here (batch invariance) */
+    uint64_t ns_attn;           /* wall time inside those, nanoseconds */
+    uint64_t n_softmax;         /* attention's softmaxes computed here (batch invariance) */
 } bitsplit_counters;
 
 const char * bitsplit_status_str(int status);
@@ -158,6 +161,8 @@ const char * bitsplit_max_isa(void);
  * and the smallest batch it takes (ggml is faster below) */
 const char * bitsplit_draft_kernel(void);
 int bitsplit_draft_min_cols(void);
+/* the kernel that computes attention's KV-cache products in batch-invariant mode ("avx2", "generic") */
+const char * bitsplit_attn_kernel(void);
 
 /* pin the named family for this context's decode passes (up to 32 columns; larger passes follow
  * the policy, except in batch-invariant mode: every pass): NULL or "" unpins. BITSPLIT_E_UNSUPPORTED if this CPU cannot run it (under the cap).

@@ -171,6 +171,7 @@ struct bitsplit_ctx {
     /* counters (updated by thread 0 of a product) */
     atomic_uint_fast64_t c_products, c_add, c_rows, c_cols, c_bres, c_bbase, c_ns, c_err, c_draft, c_ns_draft;
     atomic_uint_fast64_t c_bdev_in, c_bdev_out, c_ns_xfer, c_overlap, c_ns_wait, c_stops, c_exact;
+    atomic_uint_fast64_t c_attn, c_ns_attn, c_softmax; /* attention computed here (attn.c) */
 
     pthread_mutex_t err_lock;
     int err_status;
@@ -200,6 +201,36 @@ void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t r
  * rows of K floats and y packed rows of N floats (NULL while only sizing the job), and the
  * precision for its types */
 void bs_job_columns(bs_job * job, const struct bitsplit_ctx * ctx, const float * x, int64_t n_cols, float * y);
+/* hook.c keeps a node's first op_params bytes here while the node is this library's custom op */
+#define BS_STASH_BYTES 40
+
+/* attn.c: attention for batch-invariant verification (the KV cache's products, the softmax) */
+typedef struct bs_attn_args {
+    const float * t; /* a's slice transposed: t[k * t_row + i0], f32, rows padded with zeros */
+    int64_t t_row;   /* a multiple of 8, >= M */
+    const char * b;  /* column 0: K f32 values */
+    size_t b_col;    /* bytes between columns */
+    char * y;        /* y[i1 * y_col bytes + i0]: f32 */
+    size_t y_col;
+    int64_t K, M;    /* terms per sum, outputs per column */
+} bs_attn_args;
+/* whether node t is a product / softmax attn.c computes (shapes, types, strides) */
+bool bs_attn_shape_ok(const struct ggml_tensor * t);
+bool bs_softmax_shape_ok(const struct ggml_tensor * t);
+/* the custom ops (userdata: the bitsplit_ctx) */
+void bs_attn_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+void bs_softmax_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+const char * bs_attn_kernel_name(void);
+/* the portable kernels (tests compare the SIMD ones with them, bit for bit) */
+void bs_attn_product_generic(const bs_attn_args * g, int64_t c0, int64_t c1);
+void bs_attn_exp_row_generic(const float * x, float * y, int64_t n, float max);
+#if defined(__x86_64__)
+bool bs_attn_avx2_available(void);
+void bs_attn_product_avx2(const bs_attn_args * g, int64_t c0, int64_t c1);
+void bs_attn_exp_row_avx2(const float * x, float * y, int64_t n, float max);
+void bs_attn_transpose_avx2(const char * a, size_t a_row, bool f16, int64_t K, int64_t M, float * t, int64_t t_row);
+#endif
+
 /* a whole product on the library's own pool (add mode, bitsplit_ctx_matmul) */
 int bs_run_on_pool(struct bitsplit_ctx * ctx, bs_job * job);
 /* BITSPLIT_THREAD_MIN_KB in bytes (unset: BS_THREAD_MIN_BYTES); false for a value that is not a

@@ -7,8 +7,10 @@
  * device buffer is observed instead (ask returns true) and corrected afterwards (add mode). With
  * the residual off and the fast drafter on, base products of CPU nodes become custom ops too. In
  * batch-invariant mode, CPU products with the base's weights that have no residual (the output
- * head, tensors the split kept exact) are computed here as well, by the same pinned family: ggml's
- * own kernels switch paths with the batch size.
+ * head, tensors the split kept exact) are computed here as well, by the same pinned family, and so
+ * is attention without flash attention (its two products of the KV cache and its softmax, attn.c):
+ * ggml's own kernels switch paths with the batch size, and sum over cached cells in lanes that
+ * masked cells shift.
  */
 #define _GNU_SOURCE
 #include "bitsplit.h"
@@ -31,7 +33,6 @@ struct bs_custom_params {
 #define BS_MAGIC 0x4c505342 /* "BSPL": marks a node this library turned into a custom op */
 #define BS_STASH_MAGIC 8    /* op_params[8]: magic, [9]: original op, bytes 40..63: original params */
 #define BS_STASH_OP 9
-#define BS_STASH_BYTES 40
 
 /* ---------------------------------------------------------------------------------------------
  * custom ops (replace mode: ggml's CPU threads call these with ith/nth)
@@ -219,12 +220,12 @@ static bool is_ours(const struct ggml_tensor * t) {
     return t->op == GGML_OP_CUSTOM && t->op_params[BS_STASH_MAGIC] == BS_MAGIC;
 }
 
-static void mutate(struct ggml_tensor * t, ggml_custom_op_t fn, const bs_entry * e) {
+static void mutate(struct ggml_tensor * t, ggml_custom_op_t fn, const void * userdata) {
     char * raw = (char *)t->op_params;
     memcpy(raw + BS_STASH_BYTES, raw, sizeof(struct bs_custom_params));
     t->op_params[BS_STASH_OP] = (int32_t)t->op;
     t->op_params[BS_STASH_MAGIC] = BS_MAGIC;
-    struct bs_custom_params p = {fn, GGML_N_TASKS_MAX, (void *)e};
+    struct bs_custom_params p = {fn, GGML_N_TASKS_MAX, (void *)userdata};
     memcpy(raw, &p, sizeof(p));
     t->op = GGML_OP_CUSTOM;
 }
@@ -298,11 +299,34 @@ static bool plain_f32_matrix(const struct ggml_tensor * t) {
     return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
 }
 
+/* a node of a batch-invariant verifier pass computed on the CPU (its sources are checked apart) */
+static bool invariant_cpu(const bitsplit_ctx * ctx, const struct ggml_tensor * t) {
+    return ctx->invariant && ctx->mode != BITSPLIT_MODE_ADD && ctx->replace_ok && host(t) && t->src[0] != NULL &&
+           t->src[1] != NULL;
+}
+
+/* attention's softmax (batch-invariant mode, CPU): its sum exact, whatever the masked cells */
+static void ask_softmax(bitsplit_ctx * ctx, struct ggml_tensor * t) {
+    const struct ggml_tensor * m = t->src[1];
+    const struct ggml_tensor * sinks = t->src[2];
+    if (ctx->invariant && ctx->mode != BITSPLIT_MODE_ADD && ctx->replace_ok && host(t) && t->src[0] != NULL &&
+        host(t->src[0]) && (m == NULL || host(m)) && (sinks == NULL || host(sinks)) && bs_softmax_shape_ok(t)) {
+        bs_overlap_drain(ctx);
+        mutate(t, bs_softmax_op, ctx);
+    }
+}
+
 /* ask == true for a hooked node: decide replace (mutate, return false) or add (return true) */
 static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     const enum ggml_op op = t->op;
     const bs_entry * e = entry_for(ctx, t);
     if (e == NULL) {
+        /* not a weight: attention's products of the KV cache (a view), in batch-invariant mode on the CPU */
+        if (op == GGML_OP_MUL_MAT && invariant_cpu(ctx, t) && t->src[0]->view_src != NULL &&
+            find_weight(ctx, t->src[0]->name) == NULL && host(t->src[0]) && host(t->src[1]) && bs_attn_shape_ok(t)) {
+            bs_overlap_drain(ctx);
+            mutate(t, bs_attn_op, ctx);
+        }
         return false;
     }
     const struct ggml_tensor * x = t->src[1];
@@ -519,6 +543,10 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) 
         }
         if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_GET_ROWS || t->op == GGML_OP_MUL_MAT_ID) {
             return ask_node(ctx, t);
+        }
+        if (t->op == GGML_OP_SOFT_MAX) {
+            ask_softmax(ctx, t);
+            return false;
         }
         /* the input of residual products (learned): stop here to start their R . x early */
         return bs_overlap_is_feed(ctx, t);

@@ -14,15 +14,16 @@ PROMPT = [1] + list(range(260, 290))
 PROMPTS = [[1] + list(range(280 + 5 * p, 294 + 5 * p)) for p in range(4)]
 
 
-def _row0(sm: SplitModel, rows: int) -> np.ndarray:
+def _row0(sm: SplitModel, rows: int, prompt: list[int] = PROMPT) -> np.ndarray:
     """Row 0's logits in a verify pass of ``rows`` rows (siblings in their own sequences)."""
-    n = len(PROMPT)
+    n = len(prompt)
     sm.ctx.clear()
     with sm.verifying() as ctx:
-        ctx.decode(PROMPT, range(n), logits=False)
+        for i in range(0, n, ctx.n_batch):
+            ctx.decode(prompt[i:i + ctx.n_batch], range(i, min(n, i + ctx.n_batch)), logits=False)
         for s in range(1, rows):
             ctx.seq_cp(0, s, 0, n)
-        ctx.decode([PROMPT[-1]] + [3 + (i * 7) % 330 for i in range(rows - 1)], [n] * rows, seq_ids=[[s] for s in range(rows)])
+        ctx.decode([prompt[-1]] + [3 + (i * 7) % 330 for i in range(rows - 1)], [n] * rows, seq_ids=[[s] for s in range(rows)])
         return ctx.logits_ith(0).copy()
 
 
@@ -36,18 +37,31 @@ def test_exact_weights_are_in_the_split(exact_split):
 
 
 def test_row0_does_not_depend_on_the_batch(exact_split):
-    rows = [2, 3, 4, 5, 8, 16, 17, 33, 63, 64, 65, 100, 130]
+    rows = [1, 2, 3, 4, 5, 8, 16, 17, 33, 63, 64, 65, 100, 130]
     with SplitModel(exact_split, n_ctx=256, n_batch=max(rows), n_seq_max=max(rows)) as sm:
         sm.residual.choose_decode_kernel(17)
         sm.residual.reset_counters()
-        ref = _row0(sm, 2)
-        assert sm.residual.counters().n_exact_products > 0  # the output head ran in the library
+        ref = _row0(sm, 1)
+        c = sm.residual.counters()
+        assert c.n_exact_products > 0  # the output head ran in the library
+        assert c.n_attn_products > 0  # and attention's products (one row: ggml's dot product, not its GEMM)
         for r in rows[1:]:
             got = _row0(sm, r)
             assert np.array_equal(got, ref), (r, float(np.abs(got - ref).max()))
 
 
-def test_invariance_off_leaves_the_output_head_to_ggml(exact_split):
+def test_row0_does_not_depend_on_the_batch_past_512_cached_positions(exact_split):
+    """llama.cpp's CPU flash attention splits the cache for a single row from 512 cached positions."""
+    prompt = [1] + [3 + (i * 11) % 330 for i in range(599)]
+    with SplitModel(exact_split, n_ctx=768, n_batch=256, n_seq_max=8) as sm:
+        sm.residual.choose_decode_kernel(17)
+        ref = _row0(sm, 1, prompt)
+        for r in (2, 3, 8):
+            got = _row0(sm, r, prompt)
+            assert np.array_equal(got, ref), (r, float(np.abs(got - ref).max()))
+
+
+def test_invariance_off_leaves_attention_and_the_output_head_to_ggml(exact_split):
     """Off: nothing without residual is computed here; the logits differ from the invariant
     verifier's only by rounding (the library's product of the exact head is right)."""
     with SplitModel(exact_split, n_ctx=256, n_batch=32, n_seq_max=4) as sm:
@@ -56,25 +70,31 @@ def test_invariance_off_leaves_the_output_head_to_ggml(exact_split):
         sm.residual.batch_invariant = False
         sm.residual.reset_counters()
         off = _row0(sm, 2)
-        assert sm.residual.counters().n_exact_products == 0
-        assert sm.residual.counters().n_products > 0
+        c = sm.residual.counters()
+        assert c.n_exact_products == 0 and c.n_attn_products == 0
+        assert c.n_products > 0
     assert np.abs(inv - off).max() < 2e-2 * np.abs(off).max()
     assert int(np.argmax(inv)) == int(np.argmax(off))
 
 
-def test_prompt_in_one_batch_equals_generation_steps(exact_split):
-    """eval decodes a prompt in one batch, generation one token at a time (two-row steps)."""
-    n = len(PROMPT)
-    with SplitModel(exact_split, n_ctx=256, n_batch=64, n_seq_max=4) as sm:
+@pytest.mark.parametrize("n_prompt", [31, 600])
+def test_prompt_in_one_batch_equals_generation_steps(exact_split, n_prompt):
+    """eval decodes a prompt in one batch, generation one token at a time (two-row steps); single
+    rows too. 600 tokens: past 512 cached positions and 64-row batches."""
+    prompt = PROMPT if n_prompt == len(PROMPT) else [1] + [3 + (i * 11) % 330 for i in range(n_prompt - 1)]
+    n = len(prompt)
+    with SplitModel(exact_split, n_ctx=768, n_batch=n, n_seq_max=4) as sm:
         sm.residual.choose_decode_kernel(17)
         with sm.verifying() as ctx:
-            ctx.decode(PROMPT, range(n), logits=True)
+            ctx.decode(prompt, range(n), logits=True)
             whole = np.stack([ctx.logits_ith(i).copy() for i in range(n)])
-            ctx.clear()
-            for i, t in enumerate(PROMPT):
-                ctx.decode([t, t], [i, i], seq_ids=[[0], [1]], logits=[True, False])
-                assert np.array_equal(ctx.logits_ith(0), whole[i]), i
-                ctx.seq_rm(1, -1, -1)
+            for rows in (2, 1):
+                ctx.clear()
+                for i, t in enumerate(prompt):
+                    ctx.decode([t] * rows, [i] * rows, seq_ids=[[s] for s in range(rows)],
+                               logits=[True] + [False] * (rows - 1))
+                    assert np.array_equal(ctx.logits_ith(0), whole[i]), (rows, i)
+                    ctx.seq_rm(1, -1, -1)
 
 
 @pytest.mark.parametrize("nodes", [1, 4, 16, 64, 256])

@@ -40,6 +40,9 @@ class Counters:
     seconds_wait: float = 0.0    # time the graph waited for those after the device's part
     n_stops: int = 0             # nodes the graph stopped after for the library (a device sync each)
     n_exact_products: int = 0    # base weights without residual computed by the library (batch invariance)
+    n_attn_products: int = 0     # attention's KV-cache products (KQ, KQV) computed by the library (batch invariance)
+    seconds_attn: float = 0.0
+    n_softmax: int = 0           # attention's softmaxes computed by the library (batch invariance)
 
 
 def _raise(status: int, message: str) -> None:
@@ -181,7 +184,7 @@ class Residual:
         return Counters(c.n_products, c.n_add_products, c.n_get_rows, c.n_columns, c.bytes_residual, c.bytes_base,
                         c.ns_inside / 1e9, c.n_errors, c.n_draft_products, c.ns_draft / 1e9, c.bytes_from_device,
                         c.bytes_to_device, c.ns_transfer / 1e9, c.n_overlapped, c.ns_wait / 1e9, c.n_stops,
-                        c.n_exact_products)
+                        c.n_exact_products, c.n_attn_products, c.ns_attn / 1e9, c.n_softmax)
 
     def reset_counters(self) -> None:
         self._lib.bitsplit_ctx_reset_counters(self.ptr)

@@ -38,11 +38,12 @@ class SplitModel:
         R . x beside the device's W2 . x).
 
         ``batch_invariant`` (default): a verified row's logits do not depend on the rest of its batch
-        (of 2 rows or more), so speculative greedy output is plain decoding's at any tree size: one
-        kernel family for every pass, the products without residual (output head) in the library's
-        kernels, and, on the CPU, for contexts of 64 or more sequences (trees that reach 64 rows),
-        llama.cpp's plain attention (``flash_attn`` None becomes False): its CPU flash attention
-        switches to a tiled path from 64 query rows, with other float sums."""
+        (of any number of rows), so speculative greedy output is plain decoding's at any tree size
+        and a prompt decoded in one batch gives generation's logits: one kernel family for every
+        pass, the products without residual (output head) in the library's kernels, and, on the CPU
+        with an f16/f32 KV cache, llama.cpp's plain attention (``flash_attn`` None becomes False)
+        with its two products of the KV cache in the library's kernels too: ggml's switch from a
+        dot product to a tiled GEMM at 2 rows, its flash attention to a tiled path at 64."""
         self.dir = Path(model_dir)
         self._lock = threading.Lock()
         # KV cells beyond the n_ctx positions (see Context): by default one per sequence, which holds
@@ -67,11 +68,11 @@ class SplitModel:
                 f"--n-gpu-layers {n_gpu_layers}: llama.cpp sees no GPU here (this llama-cpp-python was built for the "
                 "CPU: see the README on building it for CUDA, Vulkan or Metal); use --rpc HOST:PORT for a remote device")
         self.n_gpu_layers = n_gpu_layers
-        if flash_attn is None and batch_invariant and n_gpu_layers == 0 and kv_type in ("f16", "f32") and n_seq_max >= 64:
-            # contexts for trees that reach 64 rows: llama.cpp's CPU flash attention is row-independent
-            # below 64 query rows only. Plain attention is not used for smaller trees: with it, sampled
-            # speculative output parted from plain decoding under the generic kernels (tests/test_engine.py
-            # test_same_seed_same_sample), not yet explained. (A quantized V cache needs flash attention.)
+        if flash_attn is None and batch_invariant and n_gpu_layers == 0 and kv_type in ("f16", "f32"):
+            # llama.cpp's plain attention, whose two products of the KV cache the library computes
+            # (batch-invariant at any number of rows); its CPU flash attention changes path at 64
+            # query rows, and for one row from 512 cached positions. (A quantized V cache needs
+            # flash attention.)
             self._ctx_kw["flash_attn"] = False
         self.residual = Residual(model_dir, check_fingerprint=check_fingerprint)
         try:

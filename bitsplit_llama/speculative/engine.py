@@ -98,6 +98,7 @@ class Stats:
     residual_bytes: int = 0      # residual (and base) bytes read by the native products
     draft_decode_seconds: float = 0.0   # inside llama_decode while drafting (the rest is Python)
     n_early_stops: int = 0       # drafts ended before their budget: the next round was not worth its cost
+    n_rebuilt: int = 0           # cached positions decoded again to free parked rows in order (see _flush_junk)
     verify_decode_seconds: float = 0.0  # inside llama_decode while verifying
     accept_hist: list[int] = field(default_factory=list)
 
@@ -120,7 +121,7 @@ class Stats:
             "verify_seconds": round(self.verify_seconds, 4), "residual_seconds": round(self.residual_seconds, 4),
             "residual_bytes": self.residual_bytes, "draft_decode_seconds": round(self.draft_decode_seconds, 4),
             "verify_decode_seconds": round(self.verify_decode_seconds, 4),
-            "draft_early_stops": self.n_early_stops,
+            "draft_early_stops": self.n_early_stops, "kv_rebuilt_tokens": self.n_rebuilt,
             "total_seconds": round(self.total_seconds, 4),
         }
 
@@ -241,11 +242,33 @@ class Engine:
         self.lane_cap = min(c.n_seq_max for c in (self.ctx, drafter.ctx)) - 3
         self.reset()  # the engine owns the KV state from here on
         self._n_junk = 0                # rejected rows parked in the junk sequence
+        self._junk_min = 0              # the first parked position (when _n_junk > 0)
 
-    def _flush_junk(self) -> None:
-        if self._n_junk:
-            self.ctx.seq_rm(self._junk_lane, -1, -1)
-            self._n_junk = 0
+    def _flush_junk(self, stats: Stats | None = None) -> None:
+        """Free the parked rows. Their cells, between the text's, would be refilled by later
+        positions out of position order, and attention sums over cells in index order; so, in
+        batch-invariant mode, the text from the first parked position on is taken out too and
+        decoded again at once through the verifier (counted in ``stats``), whose results depend
+        neither on the batch nor on masked cells: the cache it makes is the one it replaces, bit for
+        bit, in order. Without batch invariance the rows are freed and nothing else."""
+        if not self._n_junk:
+            return
+        p0 = self._junk_min
+        self.ctx.seq_rm(self._junk_lane, -1, -1)
+        self._n_junk = 0
+        if p0 >= self.n_past or not self.sm.residual.batch_invariant:
+            return
+        tail = self.tokens[p0:self.n_past]
+        self._truncate(p0)
+        nb = self.ctx.n_batch
+        with self.sm.verifying() as ctx:
+            for i in range(0, len(tail), nb):
+                part = tail[i:i + nb]
+                ctx.decode(part, range(self.n_past, self.n_past + len(part)), logits=False)
+                self.n_past += len(part)
+                self.tokens.extend(part)
+        if stats is not None:
+            stats.n_rebuilt += len(tail)
 
     # -- KV state ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -280,7 +303,10 @@ class Engine:
                 break
             common += 1
         common = min(common, len(prompt) - 1)  # the last prompt token is always decoded: its logits are needed
+        if self._n_junk and self.sm.residual.batch_invariant:
+            common = min(common, self._junk_min)  # from there on the cells are not in order once the junk goes
         self._truncate(common)
+        self._flush_junk()  # nothing cached after the parked rows: they are freed and nothing else
         todo = list(prompt[common:])
         nb = self.ctx.n_batch
         logits = None
@@ -477,6 +503,7 @@ class Engine:
             if r not in keep_set:
                 pos = self.n_past + depths[r]
                 self.ctx.seq_cp(row_lanes[r][0], junk, pos, pos + 1)
+                self._junk_min = pos if self._n_junk == 0 else min(self._junk_min, pos)
                 self._n_junk += 1
         self.ctx.seq_cp(row_lanes[last][0], 0, self.n_past, self.n_past + depths[last] + 1)
         for lane in lane_of.values():
@@ -555,7 +582,7 @@ class Engine:
                 if room < 0:
                     return  # the context is full: stop cleanly
                 if self.n_past + self._n_junk + n_cycle > self.ctx.n_cells:
-                    self._flush_junk()
+                    self._flush_junk(stats)
                 # what is left (positions, tokens to emit) limits the tree's depth, not its size: a
                 # tree emits at most its depth + 1 tokens, and its nodes take reserved cells
                 depth = min(room, max_tokens - stats.n_emitted - 1) if spec else 0
@@ -584,7 +611,10 @@ class Engine:
                     return
                 id_last = emitted[-1]
         finally:
-            self._flush_junk()
+            if not self.sm.residual.batch_invariant:
+                self._flush_junk()
+            # else parked rows stay (freeing them would mean decoding again what follows them): the
+            # next prompt reuses the cache up to them, or room runs short and they go then
             stats.total_seconds += time.perf_counter() - t0
 
 

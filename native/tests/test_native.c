@@ -1330,6 +1330,193 @@ static void test_callback_mul_mat_id(bitsplit_ctx * ctx, const model * m, const 
     ggml_free(g);
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * attention (batch-invariant verification): KQ, softmax, KQV through the callback
+ * ------------------------------------------------------------------------------------------- */
+
+#define AT_HD 40    /* head dimension: not a multiple of 32 (blocks of 8) */
+#define AT_NH 4     /* query heads */
+#define AT_NKV 2    /* KV heads (two query heads each) */
+#define AT_NV 29    /* cells row 0 sees */
+
+static float at_val(uint64_t a, uint64_t b, uint64_t c) { /* a deterministic value in [-1, 1) */
+    uint64_t s = (a * 0x9e3779b97f4a7c15ull) ^ (b * 0xc2b2ae3d27d4eb4full) ^ (c * 0x165667b19e3779f9ull) ^ 0x5bd1e995;
+    s ^= s >> 31;
+    s *= 0xbf58476d1ce4e5b9ull;
+    s ^= s >> 29;
+    return (float)((double)(s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+/* One attention over a cache of n_kv cells where row 0's visible cells j < AT_NV sit at cell_of[j]
+ * (in increasing order) and every other cell is junk that row 0 does not see; n rows (the others
+ * see random cells). Row 0's output, [AT_HD x AT_NH], goes to out. Returns false if not run. */
+static bool attn_case(bitsplit_ctx * ctx, int n_kv, int n, const int * cell_of, int nth, float * out, double * err) {
+    struct ggml_init_params ip = {.mem_size = 16 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_context * g = ggml_init(ip);
+    /* the caches are views, as llama.cpp's are (a weight never is) */
+    struct ggml_tensor * Kall = ggml_new_tensor_3d(g, GGML_TYPE_F16, AT_HD, n_kv, AT_NKV);
+    struct ggml_tensor * Kc = ggml_view_3d(g, Kall, AT_HD, n_kv, AT_NKV, Kall->nb[1], Kall->nb[2], 0);
+    struct ggml_tensor * q0 = ggml_new_tensor_3d(g, GGML_TYPE_F32, AT_HD, AT_NH, n);
+    struct ggml_tensor * q = ggml_permute(g, q0, 0, 2, 1, 3); /* [hd, n, heads], as llama.cpp's */
+    struct ggml_tensor * kq = ggml_mul_mat(g, Kc, q);
+    struct ggml_tensor * mask = ggml_new_tensor_2d(g, GGML_TYPE_F32, n_kv, n);
+    const float scale = 0.125f;
+    struct ggml_tensor * sm = ggml_soft_max_ext(g, kq, mask, scale, 0.0f);
+    struct ggml_tensor * Vall = ggml_new_tensor_3d(g, GGML_TYPE_F16, n_kv, AT_HD, AT_NKV);
+    struct ggml_tensor * Vt = ggml_view_3d(g, Vall, n_kv, AT_HD, AT_NKV, Vall->nb[1], Vall->nb[2], 0);
+    struct ggml_tensor * kqv = ggml_mul_mat(g, Vt, sm);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(g, ggml_backend_cpu_buffer_type());
+    CHECK(buf != NULL, "attention: allocating CPU tensors");
+    if (buf == NULL) {
+        ggml_free(g);
+        return false;
+    }
+    int * logical = malloc((size_t)n_kv * sizeof(int)); /* cell -> visible index, or -1 */
+    for (int c = 0; c < n_kv; c++) logical[c] = -1;
+    for (int j = 0; j < AT_NV; j++) logical[cell_of[j]] = j;
+    ggml_fp16_t * kd = malloc(ggml_nbytes(Kc));
+    ggml_fp16_t * vd = malloc(ggml_nbytes(Vt));
+    for (int h = 0; h < AT_NKV; h++) {
+        for (int c = 0; c < n_kv; c++) {
+            const uint64_t id = logical[c] >= 0 ? (uint64_t)logical[c] : 1000 + (uint64_t)c; /* junk: other values */
+            for (int d = 0; d < AT_HD; d++) {
+                kd[((size_t)h * n_kv + c) * AT_HD + d] = ggml_fp32_to_fp16(2.0f * at_val(1, id * 64 + h, d));
+                vd[((size_t)h * AT_HD + d) * n_kv + c] = ggml_fp32_to_fp16(at_val(2, id * 64 + h, d));
+            }
+        }
+    }
+    float * qd = malloc(ggml_nbytes(q0));
+    for (int r = 0; r < n; r++)
+        for (int h = 0; h < AT_NH; h++)
+            for (int d = 0; d < AT_HD; d++) qd[((size_t)r * AT_NH + h) * AT_HD + d] = 3.0f * at_val(3, (uint64_t)(r == 0 ? 0 : 100 + r * 7 + n), (uint64_t)h * 1000 + d);
+    float * md = malloc(ggml_nbytes(mask));
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < n_kv; c++) md[(size_t)r * n_kv + c] = (r == 0 ? logical[c] >= 0 : at_val(4, (uint64_t)r, (uint64_t)c) > -0.3f) ? 0.0f : -INFINITY;
+    ggml_backend_tensor_set(Kall, kd, 0, ggml_nbytes(Kall));
+    ggml_backend_tensor_set(Vall, vd, 0, ggml_nbytes(Vall));
+    ggml_backend_tensor_set(q0, qd, 0, ggml_nbytes(q0));
+    ggml_backend_tensor_set(mask, md, 0, ggml_nbytes(mask));
+    bool ok = true;
+    struct ggml_tensor * nodes[3] = {kq, sm, kqv};
+    for (int i = 0; i < 3 && ok; i++) {
+        const bool asked = bitsplit_eval_callback(nodes[i], true, ctx);
+        ok = !asked && nodes[i]->op == GGML_OP_CUSTOM;
+        CHECK(ok, "attention: node %d (%s) not replaced", i, ggml_op_name(nodes[i]->op));
+        if (ok) run_custom(nodes[i], nth);
+    }
+    if (ok) {
+        /* row 0 against a float64 reference */
+        double worst = 0.0, mag = 0.0;
+        for (int h = 0; h < AT_NH; h++) {
+            const int hk = h / (AT_NH / AT_NKV);
+            double sc[AT_NV], mx = -1e300, sum = 0.0;
+            for (int j = 0; j < AT_NV; j++) {
+                double dot = 0.0;
+                for (int d = 0; d < AT_HD; d++)
+                    dot += (double)ggml_fp16_to_fp32(kd[((size_t)hk * n_kv + cell_of[j]) * AT_HD + d]) * qd[(size_t)h * AT_HD + d];
+                sc[j] = dot * scale;
+                mx = sc[j] > mx ? sc[j] : mx;
+            }
+            for (int j = 0; j < AT_NV; j++) sum += exp(sc[j] - mx);
+            for (int d = 0; d < AT_HD; d++) {
+                double y = 0.0;
+                for (int j = 0; j < AT_NV; j++)
+                    y += exp(sc[j] - mx) / sum * ggml_fp16_to_fp32(vd[((size_t)hk * AT_HD + d) * n_kv + cell_of[j]]);
+                const float got = ((const float *)kqv->data)[(size_t)h * n * AT_HD + d]; /* [hd, n, heads], row 0 */
+                out[h * AT_HD + d] = got;
+                worst = fabs(got - y) > worst ? fabs(got - y) : worst;
+                mag = fabs(y) > mag ? fabs(y) : mag;
+            }
+        }
+        *err = worst / (mag > 0 ? mag : 1.0);
+        bitsplit_counters c;
+        bitsplit_ctx_get_counters(ctx, &c);
+        CHECK(c.n_errors == 0, "attention: %llu errors recorded", (unsigned long long)c.n_errors);
+    }
+    free(logical);
+    free(kd);
+    free(vd);
+    free(qd);
+    free(md);
+    ggml_backend_buffer_free(buf);
+    ggml_free(g);
+    return ok;
+}
+
+static void test_callback_attention(const model * m) {
+    char err[512] = "";
+    bitsplit_ctx * ctx = NULL;
+    if (bitsplit_ctx_load(m->res_path, m->base_path, &ctx, err, sizeof(err)) != BITSPLIT_OK) {
+        CHECK(false, "%s: load for the attention test: %s", m->dir, err);
+        return;
+    }
+    bitsplit_ctx_set_enabled(ctx, true);
+    bitsplit_ctx_set_batch_invariant(ctx, true);
+    /* layouts of row 0's cells: contiguous from 0; after 3 junk cells; interleaved with junk */
+    int contiguous[AT_NV], shifted[AT_NV], holes[AT_NV];
+    for (int j = 0; j < AT_NV; j++) {
+        contiguous[j] = j;
+        shifted[j] = j + 3;
+        holes[j] = j + j / 2 + j / 5 + 1;
+    }
+    const int n_kv_holes = holes[AT_NV - 1] + 4;
+    float ref[AT_HD * AT_NH], got[AT_HD * AT_NH];
+    double e;
+    if (attn_case(ctx, AT_NV, 1, contiguous, 1, ref, &e)) {
+        CHECK(e < 1e-5, "attention: row 0 off the float64 reference by %.3g of its largest value", e);
+        static const struct { int n_kv, n, nth; int which; } cases[] = {
+            {AT_NV, 2, 1, 0}, {AT_NV, 7, 3, 0}, {AT_NV + 40, 33, 2, 0}, {AT_NV + 3, 1, 1, 1}, {AT_NV + 3, 5, 2, 1},
+            {0, 1, 1, 2}, {0, 9, 3, 2}, {0, 64, 2, 2},
+        };
+        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+            const int * layout = cases[i].which == 0 ? contiguous : cases[i].which == 1 ? shifted : holes;
+            const int n_kv = cases[i].which == 2 ? n_kv_holes : cases[i].n_kv;
+            if (attn_case(ctx, n_kv, cases[i].n, layout, cases[i].nth, got, &e)) {
+                CHECK(memcmp(got, ref, sizeof(ref)) == 0,
+                      "attention: row 0 differs with %d rows, %d cells (layout %d), %d threads", cases[i].n, n_kv,
+                      cases[i].which, cases[i].nth);
+            }
+        }
+        bitsplit_counters c;
+        bitsplit_ctx_get_counters(ctx, &c);
+        CHECK(c.n_attn_products > 0 && c.n_softmax > 0, "attention: counters %llu products, %llu softmaxes",
+              (unsigned long long)c.n_attn_products, (unsigned long long)c.n_softmax);
+    }
+    /* the SIMD kernels against the portable ones, bit for bit (zeros among the weights) */
+#if defined(__x86_64__)
+    if (bs_attn_avx2_available()) {
+        enum { K = 45, M = 37, T = 40, N = 5 };
+        float * t = calloc((size_t)K * T, sizeof(float));
+        float b[N * K], y1[N * M], y2[N * M];
+        for (int k = 0; k < K; k++)
+            for (int i = 0; i < M; i++) t[k * T + i] = at_val(5, (uint64_t)k, (uint64_t)i);
+        for (int i = 0; i < N * K; i++) b[i] = i % 7 == 3 ? 0.0f : at_val(6, (uint64_t)i, 0);
+        for (int k = 0; k < K; k++) b[k] = b[K + k] = k % 3 ? 0.0f : b[k]; /* columns 0, 1: zero at the same k */
+        const bs_attn_args a = {.t = t, .t_row = T, .b = (const char *)b, .b_col = K * sizeof(float),
+                                .y = (char *)y1, .y_col = M * sizeof(float), .K = K, .M = M};
+        bs_attn_args a2 = a;
+        a2.y = (char *)y2;
+        bs_attn_product_avx2(&a, 0, N);
+        bs_attn_product_generic(&a2, 0, N);
+        CHECK(memcmp(y1, y2, sizeof(y1)) == 0, "attention: avx2 product differs from the portable one");
+        bs_attn_product_avx2(&a2, 1, 2); /* one column alone: the same as within a pair */
+        CHECK(memcmp(y1, y2, sizeof(y1)) == 0, "attention: avx2 product of one column differs");
+        float x[77], e1[77], e2[77];
+        for (int i = 0; i < 77; i++) x[i] = i == 3 ? -INFINITY : 60.0f * at_val(7, (uint64_t)i, 0) - 30.0f;
+        bs_attn_exp_row_avx2(x, e1, 77, 1.5f);
+        bs_attn_exp_row_generic(x, e2, 77, 1.5f);
+        CHECK(memcmp(e1, e2, sizeof(e1)) == 0, "attention: avx2 exponentials differ from the portable ones");
+        for (int i = 0; i < 77; i++) {
+            const float arg = x[i] - 1.5f; /* the kernel's argument, rounded as it rounds it */
+            const double want = arg == -INFINITY || arg < -87.0f ? 0.0 : exp((double)arg);
+            CHECK(fabs(e1[i] - want) <= 3e-7 * want, "attention: exp(%g) = %.9g, want %.9g", arg, e1[i], want);
+        }
+        free(t);
+    }
+#endif
+    bitsplit_ctx_free(ctx);
+}
+
 static void test_callback(const model * m) {
     char err[512] = "";
     bitsplit_ctx * ctx = NULL;
@@ -1349,6 +1536,7 @@ static void test_callback(const model * m) {
     const mtensor * x = pick(m, true, NULL);
     if (x != NULL) test_callback_mul_mat_id(ctx, m, x);
     bitsplit_ctx_free(ctx);
+    test_callback_attention(m);
 }
 
 /* ---------------------------------------------------------------------------------------------
