@@ -182,6 +182,7 @@ class Probe:
             ctx.seq_cp(0, s, 0, n)
         self.seen.clear()
         self.record = nodes
+        self.sm.residual.reset_counters()  # the pass's own counters (the prompt's are not in them)
         t0 = time.perf_counter()
         nv = self.sm.model.n_vocab
         ctx.decode([prompt[-1]] + [(100 + i) % nv for i in range(rows - 1)], [n] * rows, seq_ids=[[s] for s in range(rows)],
@@ -263,15 +264,20 @@ def compare_prompt(probe: Probe) -> None:
 
 def time_passes(probe: Probe, rows: list[int], repeat: int) -> None:
     modes = ("verifier", "verifier-no-invariance")
-    print(f"verify pass time (logits of every row), median of {repeat}, interleaved (ms): rows, batch-invariant, "
-          "without (llama.cpp's attention and output head), ratio")
+    res = probe.sm.residual
+    print(f"verify pass time (logits of every row), median of {repeat}, interleaved (ms): rows, batch-invariant "
+          "(of which attention's products and softmax in the library), without (llama.cpp's attention and output "
+          "head), ratio")
     for r in rows:
         t = {m: [] for m in modes}
+        attn = []
         for _ in range(repeat):
             for m in modes:
                 t[m].append(probe.row0(m, r, all_logits=True)[1])
+                if m == "verifier":
+                    attn.append(res.counters().seconds_attn)
         a, b = statistics.median(t[modes[0]]), statistics.median(t[modes[1]])
-        print(f"  {r:4d} {a * 1e3:9.1f} {b * 1e3:9.1f} {a / b:6.3f}", flush=True)
+        print(f"  {r:4d} {a * 1e3:9.1f} ({statistics.median(attn) * 1e3:7.1f}) {b * 1e3:9.1f} {a / b:6.3f}", flush=True)
 
 
 if __name__ == "__main__":

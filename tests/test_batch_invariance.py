@@ -116,3 +116,16 @@ def test_greedy_speculative_equals_verifier_alone_at_any_tree_size(exact_split, 
             assert spec.tokens == plain.tokens, (nodes, p)
         # the trees were as large as asked (one lane per leaf: 256 nodes fit llama.cpp's 256 sequences)
         assert nodes + 1 in rows and max(rows) <= max(nodes + 1, max(map(len, PROMPTS))), sorted(set(rows))
+
+
+def test_parked_rows_freed_in_order_keep_greedy_identity(exact_split):
+    """A context too small to keep every parked rejected row: the engine frees them by decoding the
+    text after the first one again (cells stay in position order); output stays the verifier's."""
+    with Generator(exact_split, n_ctx=160, tree_nodes=64, draft_stop="off") as g:
+        rebuilt = 0
+        for p in PROMPTS:
+            plain = g.generate(p, max_tokens=140, speculative=False)
+            spec = g.generate(p, max_tokens=140, speculative=True)
+            assert spec.tokens == plain.tokens, p
+            rebuilt += spec.stats.n_rebuilt
+        assert rebuilt > 0  # the case was exercised

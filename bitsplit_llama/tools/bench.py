@@ -232,7 +232,7 @@ class BenchReport:
         tot = {k: sum(s.get(k, 0) for s in self.stats) for k in
                ("n_tokens", "n_verify", "n_draft_passes", "draft_seconds", "verify_seconds", "residual_seconds", "residual_bytes",
                 "total_seconds", "prompt_seconds", "draft_decode_seconds", "verify_decode_seconds", "draft_early_stops",
-                "n_drafted")}
+                "n_drafted", "kv_rebuilt_tokens")}
         gen = max(1e-9, tot["total_seconds"] - tot["prompt_seconds"])
         other = gen - tot["draft_seconds"] - tot["verify_seconds"]
         res_bps = tot["residual_bytes"] / tot["residual_seconds"] if tot["residual_seconds"] else 0.0
@@ -247,6 +247,7 @@ class BenchReport:
             "draft_passes_per_verify": round(tot["n_draft_passes"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
             "drafted_per_verify": round(tot["n_drafted"] / tot["n_verify"], 4) if tot["n_verify"] else 0.0,
             "draft_stop": self.draft_stop, "draft_early_stops": tot["draft_early_stops"],
+            "kv_rebuilt_tokens": tot["kv_rebuilt_tokens"],
             "tree_nodes": self.tree_nodes, "tree_shape": last.get("shape"), "kernel": last.get("kernel"), "drafter": last.get("drafter"),
             "draft_products": last.get("draft_products", 0),
             "time_split": {"draft": round(tot["draft_seconds"] / gen, 4), "verify": round(tot["verify_seconds"] / gen, 4),
