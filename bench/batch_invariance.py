@@ -266,7 +266,7 @@ def time_passes(probe: Probe, rows: list[int], repeat: int) -> None:
     modes = ("verifier", "verifier-no-invariance")
     res = probe.sm.residual
     print(f"verify pass time (logits of every row), median of {repeat}, interleaved (ms): rows, batch-invariant "
-          "(of which attention's products and softmax in the library), without (llama.cpp's attention and output "
+          "(of which attention's two products in the library), without (llama.cpp's attention and output "
           "head), ratio")
     for r in rows:
         t = {m: [] for m in modes}
