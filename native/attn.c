@@ -88,46 +88,41 @@ void bs_attn_exp_row_generic(const float * x, float * y, int64_t n, float max) {
     }
 }
 
+/* a's slice transposed to f32, t[k * t_row + i0], rows padded with zeros to a multiple of 8 */
+static void transpose_generic(const char * a, size_t a_row, bool f16, int64_t K, int64_t M, float * t, int64_t t_row) {
+    for (int64_t i0 = 0; i0 < t_row; i0++) {
+        const char * row = i0 < M ? a + i0 * a_row : NULL;
+        for (int64_t k = 0; k < K; k++) {
+            t[k * t_row + i0] = row == NULL ? 0.0f : f16 ? ggml_fp16_to_fp32(((const ggml_fp16_t *)row)[k])
+                                                         : ((const float *)row)[k];
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------
- * kernel choice (fixed for the process: the same arithmetic for every pass)
+ * kernel choice: once per process (the same arithmetic for every pass), the SIMD kernels where
+ * the avx2-f32 family runs (the CPU and the cap BITSPLIT_MAX_ISA)
  * ------------------------------------------------------------------------------------------- */
 
-typedef void (*product_fn)(const bs_attn_args * g, int64_t c0, int64_t c1);
-typedef void (*exp_row_fn)(const float * x, float * y, int64_t n, float max);
+typedef struct attn_kernels {
+    void (*product)(const bs_attn_args * g, int64_t c0, int64_t c1);
+    void (*exp_row)(const float * x, float * y, int64_t n, float max);
+    void (*transpose)(const char * a, size_t a_row, bool f16, int64_t K, int64_t M, float * t, int64_t t_row);
+} attn_kernels;
 
-static int attn_simd(void) {
-    static int simd = -1;
-    if (simd < 0) {
-        int s = 0;
+static const attn_kernels * kernels(void) {
+    static const attn_kernels generic = {bs_attn_product_generic, bs_attn_exp_row_generic, transpose_generic};
 #if defined(__x86_64__)
-        int cap;
-        bs_isa_cap(&cap);
-        s = cap >= BS_ISA_SIMD && bs_attn_avx2_available();
-#endif
-        simd = s; /* every thread computes the same answer: a benign race */
+    static const attn_kernels avx2 = {bs_attn_product_avx2, bs_attn_exp_row_avx2, bs_attn_transpose_avx2};
+    static const attn_kernels * chosen = NULL;
+    if (chosen == NULL) {
+        chosen = bs_family_named("avx2-f32") != NULL ? &avx2 : &generic; /* a benign race: one answer */
     }
-    return simd;
-}
-
-static product_fn product_kernel(void) {
-#if defined(__x86_64__)
-    if (attn_simd()) {
-        return bs_attn_product_avx2;
-    }
+    return chosen;
+#else
+    return &generic;
 #endif
-    return bs_attn_product_generic;
 }
-
-static exp_row_fn exp_kernel(void) {
-#if defined(__x86_64__)
-    if (attn_simd()) {
-        return bs_attn_exp_row_avx2;
-    }
-#endif
-    return bs_attn_exp_row_generic;
-}
-
-const char * bs_attn_kernel_name(void) { return attn_simd() ? "avx2" : "generic"; }
 
 /* ---------------------------------------------------------------------------------------------
  * the products
@@ -153,35 +148,15 @@ bool bs_attn_shape_ok(const struct ggml_tensor * t) {
            a->data != NULL && b->data != NULL && t->data != NULL;
 }
 
-/* a's slice transposed to f32, t[k * t_row + i0], rows padded with zeros to a multiple of 8 */
-static void transpose_slice(const char * a, size_t a_row, bool f16, int64_t K, int64_t M, float * t, int64_t t_row) {
-#if defined(__x86_64__)
-    if (attn_simd()) {
-        bs_attn_transpose_avx2(a, a_row, f16, K, M, t, t_row);
-        return;
-    }
-#endif
-    for (int64_t i0 = 0; i0 < t_row; i0++) {
-        const char * row = a + i0 * a_row;
-        for (int64_t k = 0; k < K; k++) {
-            t[k * t_row + i0] = i0 >= M ? 0.0f : f16 ? ggml_fp16_to_fp32(((const ggml_fp16_t *)row)[k])
-                                                     : ((const float *)row)[k];
-        }
-    }
-}
-
 void bs_attn_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     bitsplit_ctx * ctx = userdata;
     const struct ggml_tensor * a = dst->src[0];
     const struct ggml_tensor * b = dst->src[1];
     const uint64_t t0 = ith == 0 ? bs_now_ns() : 0;
-    if (nth > BS_MAX_THREADS) {
-        nth = BS_MAX_THREADS;
-        if (ith >= nth) {
-            return;
-        }
+    if (!bs_thread_works(ith, &nth)) {
+        return;
     }
-    const product_fn kernel = product_kernel();
+    const attn_kernels * kern = kernels();
     const int64_t K = a->ne[0], M = a->ne[1], n = b->ne[1];
     const int64_t A2 = a->ne[2], A3 = a->ne[3];
     const int64_t r2 = b->ne[2] / A2, r3 = b->ne[3] / A3;
@@ -199,7 +174,7 @@ void bs_attn_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
                 bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory in attention's product '%s'", dst->name);
                 return;
             }
-            transpose_slice((const char *)a->data + s2 * a->nb[2] + s3 * a->nb[3], a->nb[1], a->type == GGML_TYPE_F16, K,
+            kern->transpose((const char *)a->data + s2 * a->nb[2] + s3 * a->nb[3], a->nb[1], a->type == GGML_TYPE_F16, K,
                             M, t, t_row);
             have = slice;
         }
@@ -217,7 +192,7 @@ void bs_attn_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
                     .K = K,
                     .M = M,
                 };
-                kernel(&g, c0, c1);
+                kern->product(&g, c0, c1);
             }
         }
     }
@@ -260,11 +235,8 @@ void bs_softmax_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) 
     const struct ggml_tensor * x = dst->src[0];
     const struct ggml_tensor * m = dst->src[1];
     const struct ggml_tensor * s = dst->src[2];
-    if (nth > BS_MAX_THREADS) {
-        nth = BS_MAX_THREADS;
-        if (ith >= nth) {
-            return;
-        }
+    if (!bs_thread_works(ith, &nth)) {
+        return;
     }
     float scale, max_bias; /* the node's own parameters, kept aside while it is a custom op (hook.c) */
     memcpy(&scale, (const char *)dst->op_params + BS_STASH_BYTES, sizeof(float));
@@ -273,7 +245,7 @@ void bs_softmax_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) 
     const uint32_t n_head_log2 = 1u << (uint32_t)floor(log2((double)heads));
     const float m0 = powf(2.0f, -(max_bias) / n_head_log2);
     const float m1 = powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
-    const exp_row_fn ex = exp_kernel();
+    const attn_kernels * kern = kernels();
     float * w = bs_scratch_get(&ctx->scratch[ith], (size_t)(n + 8) * sizeof(float));
     if (w == NULL) {
         bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory in the softmax '%s'", dst->name);
@@ -306,7 +278,7 @@ void bs_softmax_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) 
             memset(yr, 0, (size_t)n * sizeof(float));
             continue;
         }
-        ex(w, yr, n, mx);
+        kern->exp_row(w, yr, n, mx);
         int64_t sum = 0;
         for (int64_t i = 0; i < n; i++) {
             sum += (int64_t)(yr[i] * FIX_ONE);

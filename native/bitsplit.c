@@ -261,8 +261,6 @@ const char * bitsplit_draft_kernel(void) {
     return f != NULL ? f->name : "";
 }
 
-const char * bitsplit_attn_kernel(void) { return bs_attn_kernel_name(); }
-
 int bitsplit_draft_min_cols(void) {
     const bs_kernel_family * f = bs_draft_policy(NULL);
     return f != NULL ? f->draft_min_cols : 0;

@@ -161,8 +161,6 @@ const char * bitsplit_max_isa(void);
  * and the smallest batch it takes (ggml is faster below) */
 const char * bitsplit_draft_kernel(void);
 int bitsplit_draft_min_cols(void);
-/* the kernel that computes attention's KV-cache products in batch-invariant mode ("avx2", "generic") */
-const char * bitsplit_attn_kernel(void);
 
 /* pin the named family for this context's decode passes (up to 32 columns; larger passes follow
  * the policy, except in batch-invariant mode: every pass): NULL or "" unpins. BITSPLIT_E_UNSUPPORTED if this CPU cannot run it (under the cap).

@@ -18,6 +18,16 @@
 #define BS_THREAD_MIN_BYTES (512 * 1024) /* weight bytes a pool thread is worth waking for (pool.c) */
 #define BS_ROW_BLOCK 16          /* rows computed together (one AMX tile of outputs) */
 
+/* whether thread ith of a custom op's nth takes part: ggml may call more than the library's
+ * BS_MAX_THREADS (every core); *nth is clamped to it and the threads beyond compute nothing.
+ * (pool.c's bs_run_job counts them at its barrier instead.) */
+static inline bool bs_thread_works(int ith, int * nth) {
+    if (*nth > BS_MAX_THREADS) {
+        *nth = BS_MAX_THREADS;
+    }
+    return ith < *nth;
+}
+
 typedef struct bs_entry {
     char name[GGML_MAX_NAME];
     int64_t ne[4];               /* GGUF/ggml order: ne[0] = row width */
@@ -220,12 +230,10 @@ bool bs_softmax_shape_ok(const struct ggml_tensor * t);
 /* the custom ops (userdata: the bitsplit_ctx) */
 void bs_attn_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 void bs_softmax_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
-const char * bs_attn_kernel_name(void);
 /* the portable kernels (tests compare the SIMD ones with them, bit for bit) */
 void bs_attn_product_generic(const bs_attn_args * g, int64_t c0, int64_t c1);
 void bs_attn_exp_row_generic(const float * x, float * y, int64_t n, float max);
 #if defined(__x86_64__)
-bool bs_attn_avx2_available(void);
 void bs_attn_product_avx2(const bs_attn_args * g, int64_t c0, int64_t c1);
 void bs_attn_exp_row_avx2(const float * x, float * y, int64_t n, float max);
 void bs_attn_transpose_avx2(const char * a, size_t a_row, bool f16, int64_t K, int64_t M, float * t, int64_t t_row);

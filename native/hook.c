@@ -95,11 +95,8 @@ static void op_get_rows(struct ggml_tensor * dst, int ith, int nth, void * userd
     const int64_t K = e->ne[0];
     const int64_t n = ggml_nelements(ids);
     const int32_t * id = (const int32_t *)ids->data;
-    if (nth > BS_MAX_THREADS) {
-        nth = BS_MAX_THREADS;
-        if (ith >= nth) {
-            return;
-        }
+    if (!bs_thread_works(ith, &nth)) {
+        return;
     }
     float * tmp = bs_scratch_get(&ctx->scratch[ith], (size_t)K * sizeof(float));
     if (tmp == NULL) {
@@ -299,21 +296,28 @@ static bool plain_f32_matrix(const struct ggml_tensor * t) {
     return t->type == GGML_TYPE_F32 && ggml_is_contiguous(t);
 }
 
-/* a node of a batch-invariant verifier pass computed on the CPU (its sources are checked apart) */
-static bool invariant_cpu(const bitsplit_ctx * ctx, const struct ggml_tensor * t) {
-    return ctx->invariant && ctx->mode != BITSPLIT_MODE_ADD && ctx->replace_ok && host(t) && t->src[0] != NULL &&
-           t->src[1] != NULL;
-}
-
-/* attention's softmax (batch-invariant mode, CPU): its sum exact, whatever the masked cells */
-static void ask_softmax(bitsplit_ctx * ctx, struct ggml_tensor * t) {
-    const struct ggml_tensor * m = t->src[1];
-    const struct ggml_tensor * sinks = t->src[2];
-    if (ctx->invariant && ctx->mode != BITSPLIT_MODE_ADD && ctx->replace_ok && host(t) && t->src[0] != NULL &&
-        host(t->src[0]) && (m == NULL || host(m)) && (sinks == NULL || host(sinks)) && bs_softmax_shape_ok(t)) {
-        bs_overlap_drain(ctx);
-        mutate(t, bs_softmax_op, ctx);
+/* attention in a batch-invariant verifier pass on the CPU (attn.c): its two products of the KV
+ * cache (a MUL_MAT whose first source is a view that names no weight) and its softmax */
+static void ask_attention(bitsplit_ctx * ctx, struct ggml_tensor * t) {
+    if (!ctx->invariant || ctx->mode == BITSPLIT_MODE_ADD || !ctx->replace_ok || !host(t)) {
+        return;
     }
+    ggml_custom_op_t fn;
+    if (t->op == GGML_OP_MUL_MAT && bs_attn_shape_ok(t) && t->src[0]->view_src != NULL &&
+        find_weight(ctx, t->src[0]->name) == NULL) {
+        fn = bs_attn_op;
+    } else if (t->op == GGML_OP_SOFT_MAX && bs_softmax_shape_ok(t)) {
+        fn = bs_softmax_op;
+    } else {
+        return;
+    }
+    for (int i = 0; i < 3; i++) { /* sources: a, b / x, mask, sinks */
+        if (t->src[i] != NULL && !host(t->src[i])) {
+            return;
+        }
+    }
+    bs_overlap_drain(ctx);
+    mutate(t, fn, ctx);
 }
 
 /* ask == true for a hooked node: decide replace (mutate, return false) or add (return true) */
@@ -321,11 +325,8 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     const enum ggml_op op = t->op;
     const bs_entry * e = entry_for(ctx, t);
     if (e == NULL) {
-        /* not a weight: attention's products of the KV cache (a view), in batch-invariant mode on the CPU */
-        if (op == GGML_OP_MUL_MAT && invariant_cpu(ctx, t) && t->src[0]->view_src != NULL &&
-            find_weight(ctx, t->src[0]->name) == NULL && host(t->src[0]) && host(t->src[1]) && bs_attn_shape_ok(t)) {
-            bs_overlap_drain(ctx);
-            mutate(t, bs_attn_op, ctx);
+        if (op == GGML_OP_MUL_MAT) {
+            ask_attention(ctx, t); /* not a weight: attention's product of the KV cache? */
         }
         return false;
     }
@@ -545,7 +546,7 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) 
             return ask_node(ctx, t);
         }
         if (t->op == GGML_OP_SOFT_MAX) {
-            ask_softmax(ctx, t);
+            ask_attention(ctx, t);
             return false;
         }
         /* the input of residual products (learned): stop here to start their R . x early */

@@ -260,15 +260,23 @@ class Engine:
             return
         tail = self.tokens[p0:self.n_past]
         self._truncate(p0)
-        nb = self.ctx.n_batch
-        with self.sm.verifying() as ctx:
-            for i in range(0, len(tail), nb):
-                part = tail[i:i + nb]
-                ctx.decode(part, range(self.n_past, self.n_past + len(part)), logits=False)
-                self.n_past += len(part)
-                self.tokens.extend(part)
+        self._append(tail, last_logits=False)
         if stats is not None:
             stats.n_rebuilt += len(tail)
+
+    def _append(self, tokens: list[int], *, last_logits: bool) -> np.ndarray | None:
+        """Decode ``tokens`` into sequence 0 after the cached text, through the verifier, in
+        batches of n_batch; the verifier's logits after the last one if ``last_logits``."""
+        nb = self.ctx.n_batch
+        with self.sm.verifying() as ctx:
+            for i in range(0, len(tokens), nb):
+                part = tokens[i:i + nb]
+                last = last_logits and i + nb >= len(tokens)
+                ctx.decode(part, range(self.n_past, self.n_past + len(part)),
+                           logits=[False] * (len(part) - 1) + [last])
+                self.n_past += len(part)
+                self.tokens.extend(part)
+            return ctx.logits_ith(len(part) - 1).copy() if last_logits else None
 
     # -- KV state ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -307,18 +315,7 @@ class Engine:
             common = min(common, self._junk_min)  # from there on the cells are not in order once the junk goes
         self._truncate(common)
         self._flush_junk()  # nothing cached after the parked rows: they are freed and nothing else
-        todo = list(prompt[common:])
-        nb = self.ctx.n_batch
-        logits = None
-        with self.sm.verifying() as ctx:
-            for i in range(0, len(todo), nb):
-                part = todo[i:i + nb]
-                last = i + nb >= len(todo)
-                ctx.decode(part, range(self.n_past, self.n_past + len(part)),
-                           logits=[False] * (len(part) - 1) + [last])
-                self.n_past += len(part)
-                self.tokens.extend(part)
-            logits = ctx.logits_ith(len(part) - 1).copy()
+        logits = self._append(list(prompt[common:]), last_logits=True)
         stats.n_prompt = len(prompt)
         stats.prompt_seconds += time.perf_counter() - t0
         return logits

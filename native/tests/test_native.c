@@ -1443,15 +1443,11 @@ static bool attn_case(bitsplit_ctx * ctx, int n_kv, int n, const int * cell_of, 
     return ok;
 }
 
-static void test_callback_attention(const model * m) {
-    char err[512] = "";
-    bitsplit_ctx * ctx = NULL;
-    if (bitsplit_ctx_load(m->res_path, m->base_path, &ctx, err, sizeof(err)) != BITSPLIT_OK) {
-        CHECK(false, "%s: load for the attention test: %s", m->dir, err);
-        return;
-    }
+static void test_callback_attention(bitsplit_ctx * ctx) {
+    CHECK(bitsplit_ctx_set_mode(ctx, BITSPLIT_MODE_AUTO) == BITSPLIT_OK, "attention: set_mode auto");
     bitsplit_ctx_set_enabled(ctx, true);
     bitsplit_ctx_set_batch_invariant(ctx, true);
+    bitsplit_ctx_reset_counters(ctx);
     /* layouts of row 0's cells: contiguous from 0; after 3 junk cells; interleaved with junk */
     int contiguous[AT_NV], shifted[AT_NV], holes[AT_NV];
     for (int j = 0; j < AT_NV; j++) {
@@ -1484,7 +1480,7 @@ static void test_callback_attention(const model * m) {
     }
     /* the SIMD kernels against the portable ones, bit for bit (zeros among the weights) */
 #if defined(__x86_64__)
-    if (bs_attn_avx2_available()) {
+    if (bs_family_named("avx2-f32") != NULL) { /* the CPU runs AVX2 + FMA + F16C (and the cap allows it) */
         enum { K = 45, M = 37, T = 40, N = 5 };
         float * t = calloc((size_t)K * T, sizeof(float));
         float b[N * K], y1[N * M], y2[N * M];
@@ -1514,7 +1510,6 @@ static void test_callback_attention(const model * m) {
         free(t);
     }
 #endif
-    bitsplit_ctx_free(ctx);
 }
 
 static void test_callback(const model * m) {
@@ -1535,8 +1530,8 @@ static void test_callback(const model * m) {
     if (e != NULL && strcmp(e->r->name, "token_embd.weight") == 0) test_callback_get_rows(ctx, m, e);
     const mtensor * x = pick(m, true, NULL);
     if (x != NULL) test_callback_mul_mat_id(ctx, m, x);
+    test_callback_attention(ctx);
     bitsplit_ctx_free(ctx);
-    test_callback_attention(m);
 }
 
 /* ---------------------------------------------------------------------------------------------

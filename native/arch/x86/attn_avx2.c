@@ -18,15 +18,6 @@
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define INL TGT static inline __attribute__((always_inline))
 
-bool bs_attn_avx2_available(void) {
-    static int ok = -1;
-    if (ok < 0) {
-        __builtin_cpu_init();
-        ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return ok == 1;
-}
-
 /* ---------------------------------------------------------------------------------------------
  * products
  * ------------------------------------------------------------------------------------------- */
