@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import click
 import typer
@@ -466,30 +466,35 @@ def plan(
     gpu_bandwidth: float = typer.Option(1000.0, "--gpu-bandwidth", help="GPU memory bandwidth, GB/s."),
     pcie: float = typer.Option(25.0, "--pcie", help="PCIe bandwidth, GB/s."),
     ram_bandwidth: Optional[float] = typer.Option(None, "--ram-bandwidth", help="System RAM bandwidth, GB/s (default: measured here)."),
-    residual: str = typer.Option("q6_k", "--residual", help="Residual type to plan for: q4_k, q5_k, q6_k or q8_0 (a "
-                                 "split directory's own files decide with --gpu none)."),
+    residual: str = typer.Option("auto", "--residual", help="Residual type to plan for: q4_k, q5_k, q6_k, q8_0, or "
+                                 "auto: each type whose verifier KL was measured within --max-kl of stock Q8_0's, the "
+                                 "best projection kept (a split directory's own files decide with --gpu none)."),
+    max_kl: float = typer.Option(1.0, "--max-kl", help="With --residual auto: the largest verifier KL allowed, as a "
+                                 "multiple of stock Q8_0's (measured per base and residual type)."),
     n_ctx: int = typer.Option(8192, "--n-ctx"),
     tokens_per_verify: Optional[float] = typer.Option(None, "--tokens-per-verify", help="Tokens per verification (default 4.0)."),
     rounds: Optional[float] = typer.Option(None, "--rounds", help="Drafter passes per cycle (default 5; bench's "
                                            "JSON gives the measured draft_passes_per_verify)."),
     verify_rows: int = typer.Option(17, "--verify-rows", help="Rows of a verification pass (tree nodes + 1)."),
     cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="CPU cores computing the residual (default: this machine's)."),
-    base_type: str = typer.Option("q2_k", "--base", help="The base's type to plan for (split --base): q2_k, iq2_s, "
-                                  "iq2_xs, iq2_xxs, iq1_m (IQ types at their nominal rates; their acceptance is not "
-                                  "in a Q2_K profile)."),
+    base_type: str = typer.Option("auto", "--base", help="The base's type to plan for (split --base): q2_k, iq2_s, "
+                                  "iq2_xs, iq2_xxs, iq1_m, or auto: the base type of each --profile given (each with "
+                                  "its own measured acceptance), q2_k without one."),
     keep_layers: Optional[int] = typer.Option(None, "--keep-layers", help="At most this many layers whole on the GPU "
                                               "(default: as many as fit beside the base; 0: split every layer)."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="An acceptance profile (`bitsplit profile`: a split "
-                                           "directory or its profile.json): tokens per verify and drafter passes per "
-                                           "tree size, measured; the best size is planned. A split directory given as "
-                                           "MODEL (--gpu none) is read without this option."),
+    profile: Optional[List[Path]] = typer.Option(None, "--profile", help="An acceptance profile (`bitsplit profile`: "
+                                                 "a split directory or its profile.json): tokens per verify and "
+                                                 "drafter passes per tree size, measured; the best size is planned. "
+                                                 "Repeatable: one per base type, which --base auto chooses among. A "
+                                                 "split directory given as MODEL (--gpu none) is read without this "
+                                                 "option."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Project what fits where and the tokens/s of bitsplit vs stock Q8_0 with partial offload (a projection).
 
     MODEL is a GGUF file, a split directory (with --gpu none) or a preset name (llama-3-70b, qwen2.5-32b,
     gemma-2-27b, qwen2.5-coder-1.5b)."""
-    from .tools.plan import make_cpu_plan, make_plan
+    from .tools.plan import make_cpu_plan
 
     for name, v in (("--tokens-per-verify", tokens_per_verify), ("--rounds", rounds), ("--cpu-cores", cpu_cores),
                     ("--verify-rows", verify_rows)):
@@ -499,38 +504,43 @@ def plan(
         raise InvalidOptionError(f"--gpu: '{gpu}' unknown (expected discrete or none)")
     from functools import partial
 
-    from .tools.plan import plan_with_profile
-    from .tools.profile import load_profile, load_profile_file
+    from .tools.plan import choose_plan, plan_with_profile
+    from .tools.profile import load_profile, load_profile_file, profile_base_type
 
-    prof, prof_src = None, None
-    if profile is not None:
-        prof, prof_src = load_profile_file(profile), str(profile)
-    elif gpu == "none" and Path(model).is_dir():
-        prof = load_profile(model)
-        prof_src = str(Path(model) / "profile.json") if prof else None
-    if prof is not None and (tokens_per_verify is not None or rounds is not None):
+    profiles = []
+    for f in profile or []:
+        pr = load_profile_file(f)
+        profiles.append((pr, str(f), profile_base_type(pr, f)))
+    if gpu == "none" and Path(model).is_dir() and not profiles:
+        pr = load_profile(model)
+        if pr is not None:
+            profiles.append((pr, str(Path(model) / "profile.json"), profile_base_type(pr, model)))
+    if profiles and (tokens_per_verify is not None or rounds is not None):
         raise InvalidOptionError("--tokens-per-verify/--rounds with an acceptance profile: give one or the other")
     if gpu == "none":
         if vram is not None:
             raise InvalidOptionError("--vram with --gpu none: there is no GPU to fill; leave --vram out")
         if keep_layers is not None:
             raise InvalidOptionError("--keep-layers with --gpu none: no GPU holds whole layers; leave it out")
-        if base_type != "q2_k":
+        if base_type != "auto":
             raise InvalidOptionError("--base with --gpu none: a split directory's own base is measured; leave it out")
+        if len(profiles) > 1:
+            raise InvalidOptionError("--profile with --gpu none: one profile at most (the split's own)")
         make = partial(make_cpu_plan, str(model), ram_bw=ram_bandwidth, residual=residual, cores=cpu_cores, log=_say)
+        if profiles:
+            p = plan_with_profile(make, profiles[0][0], profiles[0][1])
+        else:
+            p = make(tokens_per_verify=tokens_per_verify, rounds=rounds, verify_rows=verify_rows)
     else:
         if vram is None:
             raise InvalidOptionError("--vram: required (GPU memory in GB), unless --gpu none")
         if Path(model).is_dir():
             raise InvalidOptionError(f"{model}: a split directory is planned with --gpu none; for a GPU give the "
                                      "source GGUF or a preset name")
-        make = partial(make_plan, str(model), vram_gb=vram, gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth,
-                       residual=residual, n_ctx=n_ctx, cores=cpu_cores, keep_layers=keep_layers, base_type=base_type,
-                       log=_say)
-    if prof is not None:
-        p = plan_with_profile(make, prof, prof_src)
-    else:
-        p = make(tokens_per_verify=tokens_per_verify, rounds=rounds, verify_rows=verify_rows)
+        p = choose_plan(str(model), base_type=base_type, residual=residual, profiles=profiles, max_kl=max_kl,
+                        tokens_per_verify=tokens_per_verify, rounds=rounds, verify_rows=verify_rows, vram_gb=vram,
+                        gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth, n_ctx=n_ctx, cores=cpu_cores,
+                        keep_layers=keep_layers, log=_say)
     if as_json:
         _print_json(p)
         return

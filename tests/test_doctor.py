@@ -165,10 +165,13 @@ def test_plan_takes_its_residual_rate_from_the_machine_profile(capsys, cache, mo
     monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)  # the quick profile, not a full one
     p = make_plan("qwen2.5-coder-1.5b", vram_gb=24)
     fam = policy.kernel_for_batch(17)
-    row = next(r for r in prof["residual"] if r["family"] == fam and r["batch"] == 16)
+    rows = {r["batch"]: 1 / r["weights_per_s_per_core"] for r in prof["residual"] if r["family"] == fam}
+    # 17 columns: the time per weight interpolated between the measured batches 16 and 64
+    expect = 1 / (rows[16] + (17 - 16) * (rows[64] - rows[16]) / (64 - 16))
     b = p["bitsplit"]
-    assert b["residual_rate_per_core"] == row["weights_per_s_per_core"]
+    assert b["residual_rate_per_core"] == pytest.approx(expect, rel=1e-12)
     assert "machine profile" in b["residual_rate_source"] and fam in b["residual_rate_source"]
+    assert "interpolated from 16 and 64" in b["residual_rate_source"]
     assert p["ram_bandwidth_gb_s"] == round(prof["memory_bandwidth_gb_s"], 1)
     assert p["ram_bandwidth_source"] == "measured here" and p["projection"] is True
 
@@ -187,14 +190,89 @@ def test_cpu_plan_reads_the_split_and_the_profile(capsys, cache, monkeypatch, ti
         base, res = sum(t.nbytes for t in b.tensors), sum(t.nbytes for t in r.tensors)
     bs = p["bitsplit"]
     assert bs["base_gb"] == round(base / 1e9, 2) and bs["residual_ram_gb"] == round(res / 1e9, 2)
-    row = max((r for r in prof["with_base"] if r["batch"] <= 17), key=lambda r: r["batch"])
-    assert bs["verify_rate_per_core"] == row["weights_per_s_per_core"]
+    # 17 rows: past the largest measured batch (16), extrapolated from the last two (1 and 16)
+    s = {r["batch"]: 1 / r["weights_per_s_per_core"] for r in prof["with_base"]}
+    rate = 1 / (s[16] + (17 - 16) * max(0.0, (s[16] - s[1]) / (16 - 1)))
+    assert bs["verify_rate_per_core"] == pytest.approx(rate, rel=1e-12)
     stream = prof["memory_bandwidth_gb_s"] * 1e9 * E_RAM
     assert bs["draft_pass_s"] == round(base / stream, 4)
-    t_verify = max((base + res) / stream, p["n_params"] / (p["cores"] * row["weights_per_s_per_core"]))
+    t_verify = max((base + res) / stream, p["n_params"] / (p["cores"] * rate))
     assert bs["verify_pass_s"] == round(t_verify, 4)
     assert bs["tokens_per_second"] == round(3.0 / (4.0 * base / stream + t_verify), 2)
     assert p["gpu"] == "none" and p["projection"] is True and "no GPU" in p["text"]
+
+
+def test_rate_between_and_past_the_measured_batches():
+    """The time per weight is interpolated linearly in the batch between measured batches and
+    extrapolated past the largest (never falling): a 257-row pass is not given batch 64's rate."""
+    from bitsplit_llama.tools.machine import rate_at
+
+    rows = [{"batch": b, "weights_per_s_per_core": 1 / t} for b, t in ((1, 1.0), (4, 1.0), (16, 2.0), (64, 8.0))]
+    assert rate_at(rows, 1) == (1.0, "batch 1") and rate_at(rows, 16)[0] == 0.5
+    assert rate_at(rows, 40)[0] == pytest.approx(1 / 5.0) and "interpolated from 16 and 64" in rate_at(rows, 40)[1]
+    r, where = rate_at(rows, 256)
+    assert r == pytest.approx(1 / (8.0 + 192 * 6.0 / 48)) and "extrapolated from 16 and 64" in where
+    falling = [{"batch": 1, "weights_per_s_per_core": 1.0}, {"batch": 16, "weights_per_s_per_core": 2.0}]
+    assert rate_at(falling, 64)[0] == 2.0  # a cheaper larger batch is not extrapolated below its own cost
+
+
+def _fixed_machine(monkeypatch):
+    from bitsplit_llama.tools import machine
+
+    prof = {"memory_bandwidth_gb_s": 20.0, "threads": 2, "size": "test", "kernel_by_batch": {},
+            "residual": [{"family": policy.kernel_for_batch(17), "batch": 16, "weights_per_s_per_core": 4e9}]}
+    monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)
+
+
+def _acceptance(base: str, tpv: dict) -> dict:
+    return {"base_type": base, "profile": [{"nodes": n, "tokens_per_verify": a, "draft_passes_per_cycle": 6.0,
+                                            "ms_per_verify": 1.0, "ms_drafting_per_cycle": 1.0}
+                                           for n, a in tpv.items()]}
+
+
+def test_plan_chooses_base_and_residual(cache, monkeypatch):
+    """--base auto plans each base of the acceptance profiles given with its own profile, --residual
+    auto each residual type measured within --max-kl of stock Q8_0's KL with that base; the best
+    projection is the plan, its split command makes those types, and every pair is listed."""
+    from bitsplit_llama.errors import InvalidOptionError
+    from bitsplit_llama.tools import plan as P
+
+    _fixed_machine(monkeypatch)
+    monkeypatch.setattr(P, "FIDELITY_VS_Q8", {("q2_k", "q4_k"): 1.6, ("q2_k", "q5_k"): 0.6, ("q2_k", "q6_k"): 0.2,
+                                              ("q2_k", "q8_0"): 0.1, ("iq2_xxs", "q6_k"): 0.5})
+    q2 = _acceptance("q2_k", {4: 3.5, 16: 5.0})
+    iq = _acceptance("iq2_xxs", {4: 3.4, 16: 4.6})
+    kw = dict(vram_gb=24, ram_bw=60, cores=16)
+    p = P.choose_plan("llama-3-70b", profiles=[(q2, "q2.json", "q2_k"), (iq, "iq.json", None)], **kw)
+    # a profile whose base type is unknown is taken as q2_k: both were then q2_k profiles
+    assert {c["base_type"] for c in p["choices"]} == {"q2_k"}
+    p = P.choose_plan("llama-3-70b", profiles=[(q2, "q2.json", "q2_k"), (iq, "iq.json", "iq2_xxs")], **kw)
+    pairs = {(c["base_type"], c["residual"]) for c in p["choices"]}
+    assert pairs == {("q2_k", "q5_k"), ("q2_k", "q6_k"), ("q2_k", "q8_0"), ("iq2_xxs", "q6_k")}  # q4_k: 1.6x
+    best = max(p["choices"], key=lambda c: c["tokens_per_second"])
+    assert (p["base_type"], p["residual"]) == (best["base_type"], best["residual"])
+    # on a 24 GB GPU the 70B's Q2_K base does not fit, its IQ2_XXS base does: the smaller base wins
+    assert p["base_type"] == "iq2_xxs" and "--base iq2_xxs" in p["split_command"]
+    assert f"--residual {p['residual']}" in p["split_command"] and p["fidelity"]["within"]
+    # each pair is what make_plan projects with that base's own profile
+    one = P.plan_with_profile(P.partial(P.make_plan, "llama-3-70b", base_type="q2_k", residual="q6_k", **kw), q2, "q2")
+    got = next(c for c in p["choices"] if (c["base_type"], c["residual"]) == ("q2_k", "q6_k"))
+    assert got["projected_speedup"] == one["projected_speedup"] and got["tree_nodes"] == one["tree_nodes"]
+    assert "choices" in p["text"] and "<- chosen" in p["text"]
+    # a tighter fidelity bound leaves fewer pairs; none measured within it is refused, naming it
+    tight = P.choose_plan("llama-3-70b", profiles=[(q2, "q2", "q2_k")], max_kl=0.15, **kw)
+    assert [(c["base_type"], c["residual"]) for c in tight["choices"]] == [("q2_k", "q8_0")]
+    with pytest.raises(InvalidOptionError, match="--residual auto: no residual type .* within 0.05x"):
+        P.choose_plan("llama-3-70b", max_kl=0.05, **kw)
+    # an explicit pair whose fidelity was not measured is planned, with a warning
+    w = P.choose_plan("llama-3-70b", base_type="iq2_xxs", residual="q4_k", profiles=[(iq, "iq", "iq2_xxs")], **kw)
+    assert w["fidelity"]["kl_vs_q8_0"] is None and not w["fidelity"]["within"] and "WARNING" in w["text"]
+    # no profile: q2_k alone (another base's acceptance is not assumed)
+    d = P.choose_plan("qwen2.5-32b", tokens_per_verify=4.0, rounds=5, **kw)
+    assert {c["base_type"] for c in d["choices"]} == {"q2_k"}
+    # one profile stands in for an explicit base it was not measured with, and says so
+    s = P.choose_plan("llama-3-70b", base_type="iq2_xxs", residual="q6_k", profiles=[(q2, "q2.json", "q2_k")], **kw)
+    assert "standing in for iq2_xxs" in s["bitsplit"]["tokens_per_verify_source"]
 
 
 def _cache_entry(root, cpu, index, level, size, shared, kind="Unified"):

@@ -41,6 +41,12 @@ def test_profile_measures_sizes_and_writes_them(split, capsys):
     assert rows[0]["tokens"] == 24  # 12 from each prompt: every generation counted, none cut short
     on_disk = json.loads((split / PROFILE_FILE).read_text())
     assert on_disk["profile"] == rows and load_profile(split) is not None
+    # the split's types, for `plan --base auto` (one profile per base type)
+    from bitsplit_llama.formats.gguf_file import GGUFFile
+
+    with GGUFFile(split / "residual.gguf") as rg:
+        assert obj["base_type"] == rg.kv["bitsplit.base_type"] and obj["residual_type"] == rg.kv["bitsplit.residual_type"]
+    assert obj["base_type"] == "q2_k" and obj["imatrix"] is False
 
 
 def _prompts(split) -> str:
@@ -118,6 +124,23 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
                  "--profile", str(split / PROFILE_FILE), "--json"]) == 0
     p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert p["tree_nodes"] in (1, 4) and "acceptance profile" in p["bitsplit"]["tokens_per_verify_source"]
+    assert p["base_type"] == "q2_k" and {c["base_type"] for c in p["choices"]} == {"q2_k"}
+    # a second profile, of another base type: --base auto plans both, each with its own acceptance
+    other = dict(prof, base_type="iq2_xxs")
+    other["profile"] = [dict(r, tokens_per_verify=r["tokens_per_verify"] * 0.9) for r in prof["profile"]]
+    (tmp_path / "iq.json").write_text(json.dumps(other))
+    assert main(["plan", "llama-3-70b", "--vram", "24", "--ram-bandwidth", "60", "--cpu-cores", "16",
+                 "--profile", str(split / PROFILE_FILE), "--profile", str(tmp_path / "iq.json"), "--json"]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {c["base_type"] for c in p["choices"]} == {"q2_k", "iq2_xxs"}
+    assert p["base_type"] in ("q2_k", "iq2_xxs") and f"--residual {p['residual']}" in p["split_command"]
+    assert max(c["tokens_per_second"] for c in p["choices"]) == p["bitsplit"]["tokens_per_second"]
+    # --base with one of them: that base alone, with its own profile
+    assert main(["plan", "llama-3-70b", "--vram", "24", "--base", "iq2_xxs", "--residual", "q6_k",
+                 "--profile", str(split / PROFILE_FILE), "--profile", str(tmp_path / "iq.json"), "--json"]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(c["base_type"], c["residual"]) for c in p["choices"]] == [("iq2_xxs", "q6_k")]
+    assert "iq.json" in p["bitsplit"]["tokens_per_verify_source"]
 
 
 @pytest.mark.parametrize("args,code,fragment", [
@@ -128,6 +151,10 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     (["plan", "qwen2.5-32b", "--vram", "24", "--profile", "{t}/none.json"], 1, "profile not found"),
     (["plan", "qwen2.5-32b", "--vram", "24", "--profile", "{t}/bad.json"], 1, "not an acceptance profile"),
     (["plan", "qwen2.5-32b", "--vram", "24", "--profile", "{s}"], 1, "no acceptance profile"),
+    (["plan", "qwen2.5-32b", "--vram", "24", "--residual", "q3_k"], 2, "--residual: 'q3_k'"),
+    (["plan", "qwen2.5-32b", "--vram", "24", "--base", "q1"], 2, "--base: 'q1'"),
+    (["plan", "qwen2.5-32b", "--vram", "24", "--max-kl", "0"], 2, "--max-kl: 0"),
+    (["plan", "qwen2.5-32b", "--vram", "24", "--max-kl", "0.0001"], 2, "--residual auto: no residual type"),
 ])
 def test_errors(split, tmp_path, capsys, args, code, fragment):
     (tmp_path / "bad.json").write_text('{"profile": [{"nodes": 1}]}')

@@ -592,18 +592,36 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
     }
 
 
+def rate_at(rows: list[dict], batch: int, key: str = "weights_per_s_per_core") -> tuple[float, str]:
+    """A rate (weights/s per core) at ``batch`` columns from measured rows of one family: the time
+    per weight interpolated linearly in the batch between the measured batches around it (a
+    product's cost grows about linearly with its columns once it is compute-bound), extrapolated
+    past the largest from the last two (never falling), the smallest one's rate below it. Returns
+    (rate, which measurements it comes from)."""
+    pts = sorted({int(r["batch"]): 1.0 / float(r[key]) for r in rows}.items())
+    if batch <= pts[0][0] or len(pts) == 1:
+        b, s = pts[0] if batch <= pts[0][0] else pts[-1]
+        return 1.0 / s, f"batch {b}"
+    for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+        if batch == b1:
+            return 1.0 / s1, f"batch {b1}"
+        if b0 < batch < b1:
+            return 1.0 / (s0 + (batch - b0) * (s1 - s0) / (b1 - b0)), f"batch {batch} interpolated from {b0} and {b1}"
+    (b0, s0), (b1, s1) = pts[-2], pts[-1]
+    slope = max(0.0, (s1 - s0) / (b1 - b0))
+    return 1.0 / (s1 + (batch - b1) * slope), f"batch {batch} extrapolated from {b0} and {b1}"
+
+
 def residual_rate_per_core(profile: dict, batch: int) -> tuple[float, str]:
-    """Residual weights/s one core computes at about ``batch`` columns with the family the policy
-    picks for that batch: the profile's largest measured batch not above ``batch`` (the smallest
-    if none). Returns (weights/s per core, where the figure comes from)."""
+    """Residual weights/s one core computes at ``batch`` columns with the family the policy picks
+    for that batch, from the profile's measured batches (:func:`rate_at`). Returns (weights/s per
+    core, where the figure comes from)."""
     fam = profile["kernel_by_batch"].get(str(batch))
     if fam is None:
         from ..native import policy
 
         fam = policy.kernel_for_batch(batch)
     rows = [r for r in profile["residual"] if r["family"] == fam] or list(profile["residual"])
-    below = [r for r in rows if r["batch"] <= batch]
-    row = max(below, key=lambda r: r["batch"]) if below else min(rows, key=lambda r: r["batch"])
-    return (float(row["weights_per_s_per_core"]),
-            f"machine profile ({row['family']}, batch {row['batch']}, {profile['threads']} threads, "
-            f"{profile['size']} size{', cached' if profile.get('cached') else ''})")
+    rate, where = rate_at(rows, batch)
+    return (rate, f"machine profile ({rows[0]['family']}, {where}, {profile['threads']} threads, "
+                  f"{profile['size']} size{', cached' if profile.get('cached') else ''})")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from pathlib import Path
 
 from ..errors import InputError, InvalidOptionError
@@ -49,6 +50,16 @@ BASE_BPW = 3.4
 #: mixes keep a few tensors wider, so real files come out somewhat larger)
 BASE_TYPE_BPW = {"q2_k": BASE_BPW, "iq2_s": 2.5, "iq2_xs": 2.3125, "iq2_xxs": 2.0625, "iq1_m": 1.75}
 RESIDUAL_BPW = {"q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625, "q8_0": 8.5}
+#: the verifier's mean KL against the source as a multiple of stock Q8_0's in the same run, per
+#: (base, residual), measured: `bitsplit eval`, 4,096 tokens of argparse.py + textwrap.py,
+#: Qwen2.5-Coder-1.5B split from its Q4_K_M file (the reference, dequantized), README "Residual
+#: choices". A pair not listed was not measured; `--residual auto` only chooses measured pairs.
+FIDELITY_VS_Q8 = {
+    ("q2_k", "q4_k"): 0.90, ("q2_k", "q5_k"): 0.32, ("q2_k", "q6_k"): 0.088, ("q2_k", "q8_0"): 0.054,
+    ("iq2_xxs", "q4_k"): 2.19, ("iq2_xxs", "q6_k"): 0.21, ("iq2_s", "q6_k"): 0.19,
+}
+FIDELITY_SOURCE = ("measured by bitsplit eval on Qwen2.5-Coder-1.5B split from its Q4_K_M file, 4,096 tokens, "
+                   "not on this model; a 16-bit source may need a larger residual")
 Q8_BPW = 8.5
 E_RAM = 0.8
 GPU_OVERHEAD = 1.0e9       # CUDA context, compute buffers
@@ -133,27 +144,29 @@ def _split_bytes(model: str) -> tuple[str, float, float] | None:
 
 
 def _with_base_rate_per_core(profile: dict | None, batch: int, why: str = "") -> tuple[float, str]:
-    """(W2 + R) weights/s one core computes here at about ``batch`` columns (the machine profile's
-    largest measured batch not above it); the residual-only rate where the profile has none."""
+    """(W2 + R) weights/s one core computes here at ``batch`` columns (the machine profile's
+    measured batches, :func:`.machine.rate_at`); the residual-only rate where the profile has none."""
     rows = (profile or {}).get("with_base") or []
     if not rows:
         return _residual_rate_per_core(profile, batch, why)
-    below = [r for r in rows if r["batch"] <= batch]
-    row = max(below, key=lambda r: r["batch"]) if below else min(rows, key=lambda r: r["batch"])
-    return (float(row["weights_per_s_per_core"]),
-            f"measured here: machine profile, W2 + R ({row['family']}, batch {row['batch']}, {profile['threads']} "
-            f"threads)")
+    from .machine import rate_at
+
+    rate, where = rate_at(rows, batch)
+    fams = "/".join(sorted({r["family"] for r in rows}))
+    return rate, f"measured here: machine profile, W2 + R ({fams}, {where}, {profile['threads']} threads)"
 
 
 def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None, residual: str = "q6_k",
                   tokens_per_verify: float | None = None, rounds: float | None = None, cores: int | None = None,
-                  verify_rows: int = 17, log=None) -> dict:
+                  verify_rows: int = 17, acceptance_source: str = "given", log=None) -> dict:
     """The cost model with no GPU: every pass streams its weights from RAM on this CPU (``--gpu
     none``). A split directory gives the real base and residual bytes."""
     if ram_bw is not None and not ram_bw > 0:
         raise InvalidOptionError(f"--ram-bandwidth: {ram_bw} must be a positive number")
+    if residual == "auto":  # a split directory's own files decide; else the smallest type measured within Q8_0's KL
+        residual = next((r for r in RESIDUAL_BPW if FIDELITY_VS_Q8.get(("q2_k", r), math.inf) <= 1.0), "q6_k")
     if residual not in RESIDUAL_BPW:
-        raise InvalidOptionError(f"--residual: '{residual}' unknown (expected one of: {', '.join(RESIDUAL_BPW)})")
+        raise InvalidOptionError(f"--residual: '{residual}' unknown (expected auto or one of: {', '.join(RESIDUAL_BPW)})")
     split = _split_bytes(str(model))
     name, (L, E, F, H, KV, V), n_params = _shape_from(split[0] if split else str(model))
     if split:
@@ -172,7 +185,7 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
     t_draft = base / stream
     w_core, w_src = _with_base_rate_per_core(profile, verify_rows, why)
     t_verify = max((base + res) / stream, n_params / (cores * w_core))
-    a_src = r_src = "given"
+    a_src = r_src = acceptance_source
     if tokens_per_verify is None:
         tokens_per_verify, a_src = 4.0, "default (about what a 16-node tree reaches on code with a small model here)"
     if rounds is None:
@@ -218,7 +231,8 @@ def _ram_bandwidth(ram_bw: float | None, profile: dict | None) -> tuple[float, s
 def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 1000.0, pcie: float = 25.0,
               ram_bw: float | None = None, residual: str = "q6_k", n_ctx: int = 8192,
               tokens_per_verify: float | None = None, rounds: int | None = None, cores: int | None = None,
-              verify_rows: int = 17, keep_layers: int | None = None, base_type: str = "q2_k", log=None) -> dict:
+              verify_rows: int = 17, keep_layers: int | None = None, base_type: str = "q2_k",
+              acceptance_source: str = "given", log=None) -> dict:
     """``keep_layers``: at most this many whole layers (None: as many as fit, 0: none); ``base_type``:
     the base's type (``split --base``)."""
     if base_type not in BASE_TYPE_BPW:
@@ -266,7 +280,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         fit = min(fit, keep_layers)
     w_core, w_src = _residual_rate_per_core(profile, verify_rows, why)
     act_bytes = sum((E + E) for _ in range(4)) + (E + F) * 2 + (F + E)  # q,k,v,o + gate,up + down, per row
-    a_src = "given"
+    a_src = acceptance_source
     if tokens_per_verify is None:
         tokens_per_verify, a_src = 4.0, "default (about what a 16-node tree reaches on code with a small model here)"
     rounds = rounds or 5
@@ -342,7 +356,8 @@ def plan_with_profile(make, prof: dict, source: str, **kw) -> dict:
     plans = []
     for r in rows:
         p = make(tokens_per_verify=float(r["tokens_per_verify"]), rounds=max(float(r["draft_passes_per_cycle"]), 1.0),
-                 verify_rows=int(r["nodes"]) + 1, **kw)
+                 verify_rows=int(r["nodes"]) + 1, acceptance_source=f"acceptance profile {source}, {r['nodes']} nodes",
+                 **kw)
         plans.append((int(r["nodes"]), p))
     nodes, best = max(plans, key=lambda np_: np_[1]["projected_speedup"])
     src = f"acceptance profile {source} ({nodes}-node tree, the best of {len(plans)} sizes measured)"
@@ -352,6 +367,90 @@ def plan_with_profile(make, prof: dict, source: str, **kw) -> dict:
     best["tree_sizes"] = [{"nodes": n, "tokens_per_verify": p["bitsplit"]["tokens_per_verify"],
                            "rounds": p["bitsplit"]["rounds"], "projected_speedup": p["projected_speedup"]}
                           for n, p in plans]
-    best["text"] = best["text"].replace("(given)", f"({src})") + "\n  tree sizes: " + ", ".join(
+    best["text"] = best["text"].replace(f"acceptance profile {source}, {nodes} nodes", src) + "\n  tree sizes: " + ", ".join(
         f"{n}: {p['projected_speedup']:.2f}x" for n, p in plans)
+    return best
+
+
+def _profile_plans(make, prof: dict | None, source: str | None, tokens_per_verify, rounds, verify_rows) -> dict:
+    if prof is not None:
+        return plan_with_profile(make, prof, source)
+    return make(tokens_per_verify=tokens_per_verify, rounds=rounds, verify_rows=verify_rows)
+
+
+def choose_plan(model: str | os.PathLike[str], *, base_type: str = "auto", residual: str = "auto",
+                profiles: list[tuple[dict, str, str | None]] = (), max_kl: float = 1.0,
+                tokens_per_verify: float | None = None, rounds: float | None = None, verify_rows: int = 17,
+                **kw) -> dict:
+    """:func:`make_plan` for every base and residual type in play, the best projection kept.
+
+    Residuals: the one given, or with ``auto`` each type whose verifier KL was measured within
+    ``max_kl`` times stock Q8_0's with that base (:data:`FIDELITY_VS_Q8`). Bases: the one given, or
+    with ``auto`` the base type of each acceptance profile given (each planned with its own
+    profile: a base's acceptance is measured, not assumed), q2_k where none is given. ``profiles``:
+    (profile, where it came from, its base type or None). The JSON adds ``choices`` (every pair
+    planned, with its fidelity) and ``fidelity`` (the chosen pair's)."""
+    if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl > 0):
+        raise InvalidOptionError(f"--max-kl: {max_kl} must be a positive number")
+    if base_type != "auto" and base_type not in BASE_TYPE_BPW:
+        raise InvalidOptionError(f"--base: '{base_type}' unknown (expected auto or one of: {', '.join(BASE_TYPE_BPW)})")
+    if residual != "auto" and residual not in RESIDUAL_BPW:
+        raise InvalidOptionError(f"--residual: '{residual}' unknown (expected auto or one of: {', '.join(RESIDUAL_BPW)})")
+    typed = [(p, src, bt or "q2_k", bt is None) for p, src, bt in profiles]
+    if base_type == "auto":
+        bases = sorted({bt for _, _, bt, _ in typed}, key=list(BASE_TYPE_BPW).index) or ["q2_k"]
+    else:
+        bases = [base_type]
+    plans, skipped = [], []
+    for b in bases:
+        mine = [t for t in typed if t[2] == b]
+        if not mine and base_type != "auto" and len(typed) == 1:
+            mine = typed  # one profile given for an explicit base: it stands in (the text says so)
+        prof, src = (mine[0][0], mine[0][1]) if mine else (None, None)
+        if prof is not None and mine[0][2] != b:
+            src = f"{src} (measured with a {mine[0][2]} base, standing in for {b})"
+        elif prof is not None and mine[0][3]:
+            src = f"{src} (its base type not recorded: taken as q2_k)"
+        if residual == "auto":
+            res = [r for r in RESIDUAL_BPW if FIDELITY_VS_Q8.get((b, r), math.inf) <= max_kl]
+            if not res:
+                skipped.append(b)
+                continue
+        else:
+            res = [residual]
+        for r in res:
+            make = partial(make_plan, model, base_type=b, residual=r, **kw)
+            p = _profile_plans(make, prof, src, tokens_per_verify, rounds, verify_rows)
+            kl = FIDELITY_VS_Q8.get((b, r))
+            p["fidelity"] = {"kl_vs_q8_0": kl, "max_kl_vs_q8_0": max_kl, "within": kl is not None and kl <= max_kl,
+                             "source": FIDELITY_SOURCE if kl is not None else "not measured"}
+            plans.append(p)
+    if not plans:
+        raise InvalidOptionError(f"--residual auto: no residual type was measured within {max_kl:g}x stock Q8_0's KL "
+                                 f"with base {', '.join(skipped)} (measured: "
+                                 + ", ".join(f"{b}+{r} {v:g}x" for (b, r), v in FIDELITY_VS_Q8.items()) + ")")
+    best = max(plans, key=lambda p: (p["bitsplit"]["tokens_per_second"], -RESIDUAL_BPW[p["residual"]]))
+    best["choices"] = [{"base_type": p["base_type"], "residual": p["residual"],
+                        "kl_vs_q8_0": p["fidelity"]["kl_vs_q8_0"], "tree_nodes": p.get("tree_nodes"),
+                        "kept_whole": p["placement"]["kept_whole"], "tokens_per_second": p["bitsplit"]["tokens_per_second"],
+                        "projected_speedup": p["projected_speedup"]} for p in plans]
+    lines, chosen = [], plans.index(best)
+    for i, c in enumerate(best["choices"]):
+        kl = "KL not measured" if c["kl_vs_q8_0"] is None else f"KL {c['kl_vs_q8_0']:g}x stock Q8_0's"
+        tree = f", {c['tree_nodes']} nodes" if c["tree_nodes"] is not None else ""
+        lines.append(f"    base {c['base_type']}, residual {c['residual']} ({kl}){tree}, {c['kept_whole']} layers whole: "
+                     f"{c['projected_speedup']:.2f}x" + ("  <- chosen" if i == chosen else ""))
+    fid = best["fidelity"]
+    warn = ""
+    if not fid["within"]:
+        warn = ("\n  WARNING: " + (f"residual {best['residual']} with base {best['base_type']} measured at "
+                                   f"{fid['kl_vs_q8_0']:g}x stock Q8_0's KL, above {max_kl:g}x"
+                                   if fid["kl_vs_q8_0"] is not None else
+                                   f"the fidelity of residual {best['residual']} with base {best['base_type']} was not measured"))
+    best["text"] += ("\n  choices (" + ("residual: each measured within " + f"{max_kl:g}x stock Q8_0's KL"
+                                        if residual == "auto" else f"residual {residual}")
+                     + "; bases: " + ("those with a measured acceptance profile" if base_type == "auto" and typed
+                                      else "q2_k (no acceptance profile of another base given)" if base_type == "auto"
+                                      else base_type) + "):\n" + "\n".join(lines)
+                     + f"\n  fidelity: {FIDELITY_SOURCE}" + warn)
     return best

@@ -40,12 +40,37 @@ def parse_nodes(text: str) -> list[int]:
 
 
 def _base_fingerprint(split: Path) -> str:
+    return _split_keys(split)["base_fingerprint"]
+
+
+def _split_keys(split: Path) -> dict:
+    """The split's base fingerprint, base type, residual type and whether its base was made with an
+    importance matrix (residual.gguf's metadata)."""
     from ..formats.gguf_file import GGUFFile
     from ..formats.modeldir import validate_split
 
     _, res_p = validate_split(split)
     with GGUFFile(res_p, role="residual") as rg:
-        return str(rg.kv.get("bitsplit.base_fingerprint", ""))
+        kv = rg.kv
+        return {"base_fingerprint": str(kv.get("bitsplit.base_fingerprint", "")),
+                "base_type": str(kv.get("bitsplit.base_type", "") or "") or None,
+                "residual_type": str(kv.get("bitsplit.residual_type", "") or "") or None,
+                "imatrix": bool(kv.get("bitsplit.imatrix"))}
+
+
+def profile_base_type(prof: dict, path: str | os.PathLike[str] | None = None) -> str | None:
+    """The base type a profile was measured with: recorded in it (profiles from this version on),
+    else read from the split it sits in; None where neither says."""
+    if prof.get("base_type"):
+        return str(prof["base_type"])
+    if path is not None:
+        d = Path(path)
+        d = d if d.is_dir() else d.parent
+        try:
+            return _split_keys(d)["base_type"]
+        except Exception:  # not a split directory: the type is unknown
+            return None
+    return None
 
 
 def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEFAULT_NODES,
@@ -63,7 +88,8 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
     if not temperature >= 0:
         raise InvalidOptionError(f"--temp: {temperature} is negative")
     prompts = list(prompts) if prompts else list(autotree.CALIBRATION_PROMPTS)
-    fp = _base_fingerprint(split)
+    keys = _split_keys(split)
+    fp = keys["base_fingerprint"]
     shapes = [TreeShape(0, 1, 1) if n == 0 else TreeShape.for_nodes(n) for n in nodes]
     room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes))
     say = log or (lambda s: None)
@@ -103,7 +129,8 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
         machine = autotree.machine_key(sm.ctx.n_threads, setup)
     finally:
         sm.close()
-    return {"format": PROFILE_FORMAT, "base_fingerprint": fp, "machine_key": machine, "threads": threads,
+    return {"format": PROFILE_FORMAT, "base_fingerprint": fp, "base_type": keys["base_type"],
+            "residual_type": keys["residual_type"], "imatrix": keys["imatrix"], "machine_key": machine, "threads": threads,
             "prompts": prompts, "n_tokens": n_tokens, "temperature": temperature,
             "seconds": round(time.monotonic() - t_start, 1), "profile": rows}
 
