@@ -67,7 +67,7 @@ def _weights(split, name):
         return w2.astype(np.float64), r.astype(np.float64), bt.ggml_type, rt.ggml_type
 
 
-def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5):
+def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5, fallback=EXACT_WEIGHTS):
     with Residual(split) as res:
         res.set_precision("auto")
         assert res.set_kernel(fam) == fam
@@ -80,7 +80,7 @@ def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5):
                 # a product the family does not compute (vnni-int24 and a Q4_0 base, say) goes to
                 # a family as precise (exact weights), and is held to that family's bound
                 actual = res.family_of(name, max(n_cols), with_base)
-                assert actual == fam or actual in EXACT_WEIGHTS, (fam, name, with_base, actual)
+                assert actual == fam or actual in fallback, (fam, name, with_base, actual)
                 ref = _act_rounded(actual, x, (bt, rt) if with_base else (rt,)) @ W.T
                 full = res.matmul(name, x, with_base=with_base)
                 err = np.abs(full - ref).max() / np.abs(ref).max()
@@ -156,6 +156,57 @@ def test_family_against_reference_every_type(type_splits, fam):
         with GGUFFile(split / "residual.gguf") as rg:
             res_seen |= {t.ggml_type for t in rg.tensors}
     assert {8, 12, 13, 14} <= res_seen, sorted(res_seen)  # Q8_0, Q4_K, Q5_K, Q6_K residuals
+
+
+@pytest.fixture(scope="module")
+def iq_splits(tmp_path_factory, tiny_f32):
+    """The tiny model split on IQ2_XXS and IQ2_XS bases (split --base iq2_xxs|iq2_s; made with an
+    importance matrix of the shipped calibration text)."""
+    from bitsplit_llama.formats.split import split_model
+    from bitsplit_llama.tools.imatrix import calibration_text, compute_imatrix
+
+    d = tmp_path_factory.mktemp("iq")
+    (d / "text.txt").write_text(calibration_text().read_text()[:6000])
+    compute_imatrix(tiny_f32, d / "text.txt", d / "im.gguf", n_ctx=64, chunks=4, threads=2)
+    out = {}
+    for base in ("iq2_xxs", "iq2_xs"):
+        out[base] = d / base
+        split_model(tiny_f32, out[base], base_ftype=base, imatrix=d / "im.gguf", threads=2)
+    return out
+
+
+@pytest.mark.parametrize("fam", policy.ALL_FAMILIES)
+def test_family_against_reference_iq_bases(iq_splits, fam):
+    """IQ2_XXS and IQ2_XS bases: the tile families unpack them with their own SIMD code (tables read
+    from ggml's dequantizer); every family computes them (or hands them to one as precise) within
+    its bound, each column independent of the batch."""
+    _runs_here(fam)
+    for base, split in iq_splits.items():
+        with GGUFFile(split / "base.gguf") as b:
+            types = {b.tensor(n).ggml_type for n in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight")}
+        assert {"iq2_xxs": 16, "iq2_xs": 17}[base] in types, (base, types)
+        # no family with exact weights decodes IQ types: a pinned one that cannot hands them to the policy's
+        _check_family(split, fam, ("blk.0.ffn_down.weight", "blk.1.attn_q.weight"), n_cols=(1, 2, 3, 16, 17),
+                      fallback=set(HERE))
+        if fam in ("avx512-bf16", "amx-bf16"):
+            with Residual(split) as res:
+                res.set_kernel(fam)
+                assert res.family_of("blk.0.ffn_down.weight", 17) == fam
+
+
+@pytest.mark.parametrize("fam", ["avx512-bf16", "amx-bf16"])
+def test_tile_families_compute_every_residual_type(type_splits, fam):
+    """The tile families (the policy's for trees and prompts on AVX-512 machines) compute Q4_K and
+    Q5_K residuals themselves (split --residual q4_k|q5_k|auto), not through a slower family."""
+    _runs_here(fam)
+    with GGUFFile(type_splits[("q2_k", "q4_k")] / "residual.gguf") as rg:
+        assert rg.tensor("blk.0.ffn_down.weight").ggml_type == 12  # Q4_K
+    for key in (("q2_k", "q4_k"), ("q4_1", "q4_k"), ("q5_k_m", "q5_k")):
+        with Residual(type_splits[key]) as res:
+            res.set_kernel(fam)
+            for n in (1, 17, 64):
+                for with_base in (True, False):
+                    assert res.family_of("blk.0.ffn_down.weight", n, with_base) == fam, (key, n, with_base)
 
 
 def test_avxvnni_int16_is_avx2_int16_bit_for_bit(tiny_split, type_splits):

@@ -89,6 +89,10 @@ split_model(dense, work / "f16", residual="f16", base_ftype="q4_k_m", threads=2)
 from gguf.constants import GGMLQuantizationType as QT
 exact = write_llama_gguf(work / "tiny-exact.gguf", tiny_llama_weights(5), types={"output.weight": int(QT.Q6_K)})
 split_model(exact, work / "q4k", residual="q4_k", threads=2)  # Q4_K residual, an output head kept exact
+from bitsplit_llama.tools.imatrix import calibration_text, compute_imatrix
+(work / "text.txt").write_text(calibration_text().read_text()[:6000])
+compute_imatrix(dense, work / "text.txt", work / "im.gguf", n_ctx=64, chunks=4, threads=2)
+split_model(dense, work / "iq2", base_ftype="iq2_xxs", imatrix=work / "im.gguf", threads=2)  # IQ2_XXS base
 EOF
 
 # --- run ----------------------------------------------------------------------------------------------
@@ -125,10 +129,11 @@ run q6k "$WORK/q6k" --flips "$FLIPS" --bad "$WORK/moe-q8/residual.gguf" --any "$
 run moe-q8 "$WORK/moe-q8" --flips "$FLIPS" --quick --bad "$WORK/q6k/residual.gguf"
 run f16 "$WORK/f16" --flips $((FLIPS / 3)) --quick --any "$WORK/q6k/residual.gguf"
 run q4k "$WORK/q4k" --flips $((FLIPS / 3)) --quick
+run iq2 "$WORK/iq2" --flips $((FLIPS / 3)) --quick
 
 elapsed=$(( $(date +%s) - T0 ))
 if [[ $status -ne 0 ]]; then
     BITSPLIT_SANITIZE_KEEP=1
     die "sanitizer run failed after ${elapsed}s (logs in $WORK)"
 fi
-say "PASS: 4 models, 0 sanitizer reports (ASan+UBSan, detect_leaks=$LEAKS), ${elapsed}s"
+say "PASS: 5 models, 0 sanitizer reports (ASan+UBSan, detect_leaks=$LEAKS), ${elapsed}s"

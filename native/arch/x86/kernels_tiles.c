@@ -7,15 +7,17 @@
  *   avx512-bf16  the same unpack; 4x4 register blocks of vdpbf16ps instead of tiles (Zen 4, and
  *                Intel parts without AMX).
  *
- * Both compute bf16(f32(W2) + f32(R)) . bf16(x) with f32 accumulation, column by column in a
- * fixed order (batch-invariant). Unpackers exist for the types llama.cpp's Q2_K mixes produce
- * (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0) and for the residual types (Q6_K, Q8_0); any
- * other readable type goes through ggml's own dequantizer, block by block.
+ * avx512-bf16 computes bf16(f32(W2) + f32(R)) . bf16(x), one weight per product; amx-bf16 computes
+ * bf16(W2) . bf16(x) + bf16(R) . bf16(x) (two tiles); both with f32 accumulation, column by column
+ * in a fixed order (batch-invariant). Unpackers exist for the types llama.cpp's Q2_K mixes produce
+ * (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0) and for the residual types (Q4_K, Q5_K, Q6_K,
+ * Q8_0); any other readable base type goes through ggml's own dequantizer, block by block.
  */
 #if defined(__x86_64__)
 
 #define _GNU_SOURCE
 #include <immintrin.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -231,6 +233,179 @@ TGT_AVX512 static void deq_q4_1(const uint8_t * b, float * out) {
     _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(u8x16_ps(_mm_and_si128(_mm_srli_epi16(q, 4), m4)), d, m));
 }
 
+/* IQ2_XXS and IQ2_XS (split --base iq2_xxs|iq2_s): each 8 values are one entry of a grid of
+ * 8-byte magnitudes, with a 7-bit index into a table of 8 signs, and one 4-bit scale per 32
+ * (IQ2_XXS) or 16 (IQ2_XS) values: w = d * (0.5 + s) * 0.25 * grid[j] * sign[j]. The grids and the
+ * sign table are not copied from ggml: they are read once from ggml's own dequantizer (blocks that
+ * hold each index in turn, unit scale), and then a block of pseudo-random codes of each type is
+ * decoded both ways and must agree bit for bit; if anything is off (another ggml, another block
+ * layout), these types keep going through ggml's dequantizer. */
+#define IQ2XXS_BYTES 66 /* fp16 d, 32 x uint16 codes */
+#define IQ2XS_BYTES 74  /* fp16 d, 32 x uint16 codes, 8 bytes of scales */
+static uint64_t iq2xxs_grid_here[256], iq2xs_grid_here[512];
+static uint8_t iq2_signs_here[128];
+static bool iq2_ready;
+static pthread_once_t iq2_once = PTHREAD_ONCE_INIT;
+
+static float iq2_scalar(const uint8_t * b, int xs, int i) { /* value i of a block, from the tables */
+    float d;
+    uint16_t h;
+    memcpy(&h, b, 2);
+    d = ggml_fp16_to_fp32(h);
+    const int ib = i / 32, l = (i % 32) / 8, j = i % 8;
+    uint64_t g;
+    uint8_t sg;
+    float db;
+    if (xs) {
+        uint16_t q;
+        memcpy(&q, b + 2 + 8 * ib + 2 * l, 2);
+        const uint8_t sc = b[66 + ib];
+        db = d * (0.5f + (l < 2 ? (sc & 0xf) : (sc >> 4))) * 0.25f;
+        g = iq2xs_grid_here[q & 511];
+        sg = iq2_signs_here[q >> 9];
+    } else {
+        uint32_t aux[2];
+        memcpy(aux, b + 2 + 8 * ib, 8);
+        db = d * (0.5f + (aux[1] >> 28)) * 0.25f;
+        g = iq2xxs_grid_here[(aux[0] >> (8 * l)) & 255];
+        sg = iq2_signs_here[(aux[1] >> (7 * l)) & 127];
+    }
+    return db * (float)(uint8_t)(g >> (8 * j)) * ((sg >> j) & 1 ? -1.f : 1.f);
+}
+
+/* the magnitudes of n grid entries, index i at code slot i of unit-scale blocks (8 codes per 32
+ * values), read back from ggml's dequantizer */
+static bool iq2_read_grid(enum ggml_type type, uint64_t * grid, int n) {
+    const int xs = type == GGML_TYPE_IQ2_XS, bb = xs ? IQ2XS_BYTES : IQ2XXS_BYTES, nblk = n / 32;
+    uint8_t * blk = calloc((size_t)nblk, (size_t)bb);
+    float * y = malloc((size_t)nblk * 256 * sizeof(float));
+    bool ok = blk != NULL && y != NULL;
+    for (int k = 0; ok && k < nblk; k++) {
+        uint8_t * p = blk + (size_t)k * bb;
+        const uint16_t one = 0x3C00; /* fp16 1.0: values are grid / 8 */
+        memcpy(p, &one, 2);
+        for (int slot = 0; slot < 32; slot++) {
+            const int idx = 32 * k + slot, ib = slot / 4, l = slot % 4;
+            if (xs) {
+                const uint16_t q = (uint16_t)idx; /* sign index 0 */
+                memcpy(p + 2 + 8 * ib + 2 * l, &q, 2);
+            } else {
+                p[2 + 8 * ib + l] = (uint8_t)idx; /* the second word (signs, scale) stays 0 */
+            }
+        }
+    }
+    if (ok) ggml_get_type_traits(type)->to_float(blk, y, (int64_t)nblk * 256);
+    for (int i = 0; ok && i < n; i++) {
+        uint64_t g = 0;
+        for (int t = 0; t < 8; t++) {
+            const float v = y[8 * i + t] * 8.0f;
+            if (!(v >= 1.0f && v <= 255.0f) || v != (float)(int)v) ok = false;
+            else g |= (uint64_t)(int)v << (8 * t);
+        }
+        grid[i] = g;
+    }
+    free(blk);
+    free(y);
+    return ok;
+}
+
+static void iq2_init(void) {
+    const struct ggml_type_traits * a = ggml_get_type_traits(GGML_TYPE_IQ2_XXS);
+    const struct ggml_type_traits * b = ggml_get_type_traits(GGML_TYPE_IQ2_XS);
+    if (a == NULL || a->to_float == NULL || a->blck_size != 256 || a->type_size != IQ2XXS_BYTES || b == NULL ||
+        b->to_float == NULL || b->blck_size != 256 || b->type_size != IQ2XS_BYTES ||
+        !iq2_read_grid(GGML_TYPE_IQ2_XXS, iq2xxs_grid_here, 256) || !iq2_read_grid(GGML_TYPE_IQ2_XS, iq2xs_grid_here, 512)) {
+        return;
+    }
+    /* signs: index s at slot s of IQ2_XXS blocks whose grid entry is 0 (no zero magnitudes) */
+    uint8_t blk[4 * IQ2XXS_BYTES];
+    float y[4 * 256];
+    memset(blk, 0, sizeof blk);
+    for (int k = 0; k < 4; k++) {
+        const uint16_t one = 0x3C00;
+        memcpy(blk + k * IQ2XXS_BYTES, &one, 2);
+        for (int ib = 0; ib < 8; ib++) {
+            uint32_t w = 0;
+            for (int l = 0; l < 4; l++) w |= (uint32_t)(32 * k + 4 * ib + l) << (7 * l);
+            memcpy(blk + k * IQ2XXS_BYTES + 2 + 8 * ib + 4, &w, 4);
+        }
+    }
+    a->to_float(blk, y, 4 * 256);
+    for (int s = 0; s < 128; s++) {
+        uint8_t m = 0;
+        for (int t = 0; t < 8; t++) m |= (uint8_t)((y[8 * s + t] < 0) << t);
+        iq2_signs_here[s] = m;
+    }
+    /* the check: pseudo-random codes, scales and signs, both ways, bit for bit */
+    uint8_t rb[2 * IQ2XS_BYTES];
+    float ref[256];
+    uint32_t st = 0x9e3779b9u;
+    for (int xs = 0; xs < 2; xs++) {
+        const int bb = xs ? IQ2XS_BYTES : IQ2XXS_BYTES;
+        for (int rep = 0; rep < 2; rep++) {
+            for (int i = 0; i < bb; i++) {
+                st = st * 1664525u + 1013904223u;
+                rb[i] = (uint8_t)(st >> 24);
+            }
+            const uint16_t d = rep ? 0x2E66 : 0xB800; /* 0.1, -0.5 */
+            memcpy(rb, &d, 2);
+            (xs ? b : a)->to_float(rb, ref, 256);
+            for (int i = 0; i < 256; i++) {
+                const float v = iq2_scalar(rb, xs, i);
+                if (memcmp(&v, &ref[i], 4) != 0) return;
+            }
+        }
+    }
+    iq2_ready = true;
+}
+
+static bool iq2_tables(void) {
+    pthread_once(&iq2_once, iq2_init);
+    return iq2_ready;
+}
+
+/* values [32 ib, 32 ib + 32) of an IQ2_XXS / IQ2_XS block as f32: db * grid, negated where the sign
+ * says (ggml's (db * grid) * -1, exactly) */
+TGT_AVX512 static inline void iq2_group(bool xs, const uint8_t * b, int ib, __m512 * lo, __m512 * hi) {
+    const float d = h2f(b);
+    uint64_t g[4];
+    uint32_t sg = 0;
+    float db0, db1;
+    if (xs) {
+        uint16_t q[4];
+        memcpy(q, b + 2 + 8 * ib, 8);
+        const uint8_t sc = b[66 + ib];
+        db0 = d * (0.5f + (sc & 0xf)) * 0.25f;
+        db1 = d * (0.5f + (sc >> 4)) * 0.25f;
+        for (int l = 0; l < 4; l++) {
+            g[l] = iq2xs_grid_here[q[l] & 511];
+            sg |= (uint32_t)iq2_signs_here[q[l] >> 9] << (8 * l);
+        }
+    } else {
+        uint32_t aux[2];
+        memcpy(aux, b + 2 + 8 * ib, 8);
+        db0 = db1 = d * (0.5f + (aux[1] >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l++) {
+            g[l] = iq2xxs_grid_here[(aux[0] >> (8 * l)) & 255];
+            sg |= (uint32_t)iq2_signs_here[(aux[1] >> (7 * l)) & 127] << (8 * l);
+        }
+    }
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 a = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)g[1], (long long)g[0])), _mm512_set1_ps(db0));
+    const __m512 c = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)g[3], (long long)g[2])), _mm512_set1_ps(db1));
+    *lo = _mm512_mask_sub_ps(a, (__mmask16)(sg & 0xffffu), zero, a);
+    *hi = _mm512_mask_sub_ps(c, (__mmask16)(sg >> 16), zero, c);
+}
+
+TGT_AVX512 static void deq_iq2(bool xs, const uint8_t * b, float * out) {
+    for (int ib = 0; ib < 8; ib++) {
+        __m512 lo, hi;
+        iq2_group(xs, b, ib, &lo, &hi);
+        _mm512_storeu_ps(out + 32 * ib, lo);
+        _mm512_storeu_ps(out + 32 * ib + 16, hi);
+    }
+}
+
 /* f32 values of elements [k0, k0 + n) of a row of `type` */
 TGT_AVX512 static void deq(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n, float * out) {
     switch (type) {
@@ -264,6 +439,15 @@ TGT_AVX512 static void deq(enum ggml_type type, const uint8_t * row, int64_t k0,
         case GGML_TYPE_Q4_1:
             for (int64_t k = 0; k < n; k += 32) deq_q4_1(row + (size_t)((k0 + k) / 32) * 20, out + k);
             return;
+        case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS:
+            if (n % QK == 0 && k0 % QK == 0 && iq2_tables()) {
+                const bool xs = type == GGML_TYPE_IQ2_XS;
+                for (int64_t k = 0; k < n; k += QK) {
+                    deq_iq2(xs, row + (size_t)((k0 + k) / QK) * (xs ? IQ2XS_BYTES : IQ2XXS_BYTES), out + k);
+                }
+                return;
+            }
+            /* fall through */
         default: {
             const int64_t blck = ggml_blck_size(type);
             bs_dequant_row(type, row + (size_t)(k0 / blck) * ggml_type_size(type), out, n);
@@ -274,8 +458,8 @@ TGT_AVX512 static void deq(enum ggml_type type, const uint8_t * row, int64_t k0,
 
 /* ---------------------------------------------------------------------------------------------
  * unpacking straight to bf16, in tile layout: element k of row i goes to dst[(k/32)*512 + i*32 + k%32]
- * (dst already offset to the row). Base and residual are unpacked into separate buffers and summed
- * by the products (bf16(W2) + bf16(R)). Small codes (2 to 5 bits) become bf16 through a per-block
+ * (dst already offset to the row). For amx-bf16, base and residual are unpacked into separate
+ * buffers and summed by the products (bf16(W2) + bf16(R)); avx512-bf16 sums them in f32 first. Small codes (2 to 5 bits) become bf16 through a per-block
  * table and one vpermw per 32 weights; 6- and 8-bit codes through f32.
  * ------------------------------------------------------------------------------------------- */
 
@@ -439,6 +623,19 @@ TGT_AVX512 static void bf16_q8_0(const uint8_t * row, int64_t k0, int64_t n_el, 
     }
 }
 
+TGT_AVX512 static void bf16_iq2(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst) {
+    const bool xs = type == GGML_TYPE_IQ2_XS;
+    const size_t bb = xs ? IQ2XS_BYTES : IQ2XXS_BYTES;
+    for (int64_t sb = 0; sb < n_el / QK; sb++) {
+        const uint8_t * b = row + (size_t)(k0 / QK + sb) * bb;
+        for (int ib = 0; ib < 8; ib++) {
+            __m512 lo, hi;
+            iq2_group(xs, b, ib, &lo, &hi);
+            store_bf16(dst, sb * 8 + ib, lo, hi);
+        }
+    }
+}
+
 /* anything else: f32 through deq() (fast for Q4_0/Q4_1, ggml's dequantizer otherwise) */
 TGT_AVX512 static void bf16_any(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst,
                                 float * tmp) {
@@ -461,6 +658,12 @@ TGT_AVX512 static void unpack_row_bf16(enum ggml_type type, const uint8_t * row,
             case GGML_TYPE_Q4_K: bf16_q45_K(row, k0, n, dst, false); return;
             case GGML_TYPE_Q5_K: bf16_q45_K(row, k0, n, dst, true); return;
             case GGML_TYPE_Q6_K: bf16_q6_K(row, k0, n, dst); return;
+            case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS:
+                if (iq2_tables()) {
+                    bf16_iq2(type, row, k0, n, dst);
+                    return;
+                }
+                break;
             default: break;
         }
     }
@@ -471,10 +674,24 @@ TGT_AVX512 static void unpack_row_bf16(enum ggml_type type, const uint8_t * row,
     bf16_any(type, row, k0, n, dst, tmp);
 }
 
+/* bf16(f32(W2) + f32(R)) of elements [k0, k0 + ch) of one row, in tile layout: one weight, one
+ * product per column (tmp: 2 x ch floats) */
+TGT_AVX512 static void unpack_row_sum_bf16(const bs_job * job, int64_t row, int64_t k0, int64_t ch, uint16_t * dst,
+                                           float * tmp) {
+    float * a = tmp, * r = tmp + ch;
+    deq(job->w2_type, job->w2 + (size_t)row * job->w2_row_bytes, k0, ch, a);
+    deq(job->r_type, job->r + (size_t)row * job->r_row_bytes, k0, ch, r);
+    for (int64_t j = 0; j < ch; j += 32) {
+        store_bf16(dst, j / 32, _mm512_add_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(r + j)),
+                   _mm512_add_ps(_mm512_loadu_ps(a + j + 16), _mm512_loadu_ps(r + j + 16)));
+    }
+}
+
 /* Elements [k0, k0 + n) of rows [r0, r0+16) of base and residual as bf16 tiles: abuf[k/32][16][32]
- * (k relative to k0) and rbuf (same layout). Rows past N are zero. */
+ * (k relative to k0) and rbuf (same layout). Rows past N are zero. ``merged``: W2 + R summed in
+ * f32 and rounded once into rbuf (abuf unused), so that a product reads one weight, not two. */
 TGT_AVX512 static void unpack_rowblock(const bs_job * job, int64_t r0, int64_t k0, int64_t n, uint16_t * abuf,
-                                       uint16_t * rbuf, float * tmp) {
+                                       uint16_t * rbuf, float * tmp, bool merged) {
     const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
     /* chunk by chunk, all rows of a chunk together: one row across all of K would write lines 1 KB
      * apart, which all fall into 4 of the 64 L1 sets and evict each other */
@@ -485,8 +702,12 @@ TGT_AVX512 static void unpack_rowblock(const bs_job * job, int64_t r0, int64_t k
             if (i >= rows) {
                 for (int64_t kc = 0; kc < ch / 32; kc++) {
                     memset(rbuf + off + (size_t)kc * TILE_WORDS + i * 32, 0, 64);
-                    if (job->w2) memset(abuf + off + (size_t)kc * TILE_WORDS + i * 32, 0, 64);
+                    if (job->w2 && !merged) memset(abuf + off + (size_t)kc * TILE_WORDS + i * 32, 0, 64);
                 }
+                continue;
+            }
+            if (merged && job->w2) {
+                unpack_row_sum_bf16(job, r0 + i, k0 + c0, ch, rbuf + off + i * 32, tmp);
                 continue;
             }
             unpack_row_bf16(job->r_type, job->r + (size_t)(r0 + i) * job->r_row_bytes, k0 + c0, ch,
@@ -503,8 +724,14 @@ static bool fast_types(const bs_job * job) {
     if (job->r == NULL || job->precision != BITSPLIT_PREC_BF16 || job->K % 32 != 0) {
         return false;
     }
+    /* every quantized residual type split makes (--residual q4_k|q5_k|q6_k|q8_0 and auto's mixes):
+     * each has its own unpacker; a superblock type needs whole superblocks in the unpack chunk */
     const enum ggml_type r = job->r_type;
-    if (r != GGML_TYPE_Q6_K && r != GGML_TYPE_Q8_0) {
+    if (r != GGML_TYPE_Q4_K && r != GGML_TYPE_Q5_K && r != GGML_TYPE_Q6_K && r != GGML_TYPE_Q8_0) {
+        return false;
+    }
+    const int64_t ch = job->K % QK == 0 ? QK : 32;
+    if (ch % ggml_blck_size(r) != 0) {
         return false;
     }
     if (job->w2 == NULL) {
@@ -516,8 +743,7 @@ static bool fast_types(const bs_job * job) {
     }
     /* any other readable type: unpacked through ggml's dequantizer when it has no fast path;
      * its block must divide the unpack chunk */
-    const int64_t ch = job->K % QK == 0 ? QK : 32;
-    return bs_type_readable(w) && ch % ggml_blck_size(w) == 0 && ch % ggml_blck_size(r) == 0;
+    return bs_type_readable(w) && ch % ggml_blck_size(w) == 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -542,10 +768,11 @@ TGT_AVX512 static void avx512_prepare_acts(const bs_job * job, int64_t c0, int64
 
 TGT_AVX512 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-TGT_AVX512 static void avx512_block_product(const bs_job * job, const uint16_t * abuf, const uint16_t * rbuf, int64_t r0) {
+/* rbuf (and abuf where `base`: a second weight buffer) times every activation column */
+TGT_AVX512 static void avx512_block_product(const bs_job * job, const uint16_t * abuf, const uint16_t * rbuf, int64_t r0,
+                                            bool base) {
     const int64_t K = job->K, nkc = K / 32;
     const uint16_t * acts = job->acts;
-    const bool base = job->w2 != NULL;
     const int64_t rows = job->N - r0 < BS_ROW_BLOCK ? job->N - r0 : BS_ROW_BLOCK;
     for (int64_t i0 = 0; i0 < rows; i0 += 4) {
         const int64_t ni = rows - i0 < 4 ? rows - i0 : 4;
@@ -606,8 +833,8 @@ TGT_AVX512 static void avx512_rows(const bs_job * job, int64_t r0, int64_t r1, b
     uint16_t * rbuf = abuf + (size_t)job->K * BS_ROW_BLOCK;
     float * tmp = (float *)(rbuf + (size_t)job->K * BS_ROW_BLOCK);
     for (int64_t r = r0; r < r1; r += BS_ROW_BLOCK) {
-        unpack_rowblock(job, r, 0, job->K, abuf, rbuf, tmp);
-        avx512_block_product(job, abuf, rbuf, r);
+        unpack_rowblock(job, r, 0, job->K, abuf, rbuf, tmp, true);
+        avx512_block_product(job, abuf, rbuf, r, false);
     }
 }
 
@@ -740,7 +967,7 @@ TGT_AMX static void amx_block_streaming(const bs_job * job, int64_t r0, uint16_t
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t k0 = 0; k0 < K; k0 += ch) {
-        unpack_rowblock(job, r0, k0, ch, abuf, rbuf, tmp);
+        unpack_rowblock(job, r0, k0, ch, abuf, rbuf, tmp, false);
         for (int64_t t = 0; t < ch / 32; t++) {
             if (base) _tile_loadd(4, abuf + (size_t)t * TILE_WORDS, 64);
             _tile_loadd(5, rbuf + (size_t)t * TILE_WORDS, 64);
@@ -777,7 +1004,7 @@ TGT_AMX static void amx_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scra
         if (streaming) {
             amx_block_streaming(job, r, abuf, rbuf, tmp, ctmp);
         } else {
-            unpack_rowblock(job, r, 0, job->K, abuf, rbuf, tmp);
+            unpack_rowblock(job, r, 0, job->K, abuf, rbuf, tmp, false);
             amx_block_product(job, abuf, rbuf, r, ctmp);
         }
     }
