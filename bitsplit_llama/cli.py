@@ -486,8 +486,8 @@ def plan(
                                                  "a split directory or its profile.json): tokens per verify and "
                                                  "drafter passes per tree size, measured; the best size is planned. "
                                                  "Repeatable: one per base type, which --base auto chooses among. A "
-                                                 "split directory given as MODEL (--gpu none) is read without this "
-                                                 "option."),
+                                                 "split directory given as MODEL (--gpu none) has its own read "
+                                                 "without this option, unless --tokens-per-verify/--rounds are given."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Project what fits where and the tokens/s of bitsplit vs stock Q8_0 with partial offload (a projection).
@@ -511,11 +511,12 @@ def plan(
     for f in profile or []:
         pr = load_profile_file(f)
         profiles.append((pr, str(f), profile_base_type(pr, f)))
-    if gpu == "none" and Path(model).is_dir() and not profiles:
+    given = tokens_per_verify is not None or rounds is not None
+    if gpu == "none" and Path(model).is_dir() and not profiles and not given:  # given figures win over the split's
         pr = load_profile(model)
         if pr is not None:
             profiles.append((pr, str(Path(model) / "profile.json"), profile_base_type(pr, model)))
-    if profiles and (tokens_per_verify is not None or rounds is not None):
+    if profiles and given:
         raise InvalidOptionError("--tokens-per-verify/--rounds with an acceptance profile: give one or the other")
     if gpu == "none":
         if vram is not None:
@@ -594,7 +595,7 @@ def doctor(
         t.add_column(col, justify="left" if col in ("product", "family") else "right", no_wrap=True,
                      min_width=len("avx512-bf16*") if col == "family" else None)
     rows = ([("R.x", r) for r in p["residual"]] + [("(W2+R).x", r) for r in p["with_base"]]
-            + [("ggml Q6_K", r) for r in p["ggml_reference"]])
+            + [("ggml Q6_K", r) for r in p["ggml_reference"]] + [("ggml Q2_K base", r) for r in p.get("ggml_base", [])])
     for what, r in rows:
         fam = r["family"] + ("*" if r.get("policy") and what == "R.x" else "")
         use = f"{100 * r['bandwidth_use']:.0f}%" if r["bandwidth_use"] is not None else "-"

@@ -63,6 +63,9 @@ def check_profile(p: dict) -> None:
         assert r["policy"] == (r["family"] == p["kernel_by_batch"][str(r["batch"])])
     assert [r["family"] for r in p["with_base"]] == [p["kernel_by_batch"]["1"], p["kernel_by_batch"]["16"]]
     assert {r["batch"] for r in p["ggml_reference"]} == {1, 16}  # llama-cpp-python's ggml is always there
+    # and the drafter's rate: ggml on the base's Q2_K bytes (plan --gpu none)
+    assert {r["batch"] for r in p["ggml_base"]} == {1, 16} and all(r["type"] == "q2_k" for r in p["ggml_base"])
+    assert all(r["bytes"] < p["ggml_reference"][0]["bytes"] for r in p["ggml_base"])  # 2-bit, smaller than Q6_K
     assert any(d["type"] == "cpu" for d in p["devices"])
 
 
@@ -195,10 +198,15 @@ def test_cpu_plan_reads_the_split_and_the_profile(capsys, cache, monkeypatch, ti
     rate = 1 / (s[16] + (17 - 16) * max(0.0, (s[16] - s[1]) / (16 - 1)))
     assert bs["verify_rate_per_core"] == pytest.approx(rate, rel=1e-12)
     stream = prof["memory_bandwidth_gb_s"] * 1e9 * E_RAM
-    assert bs["draft_pass_s"] == round(base / stream, 4)
     t_verify = max((base + res) / stream, p["n_params"] / (p["cores"] * rate))
     assert bs["verify_pass_s"] == round(t_verify, 4)
-    assert bs["tokens_per_second"] == round(3.0 / (4.0 * base / stream + t_verify), 2)
+    # a drafter pass: the base's bytes, or ggml's measured Q2_K rate at its rows (16 nodes / 4 passes) if slower
+    d = {r["batch"]: 1 / r["weights_per_s_per_core"] for r in prof["ggml_base"]}
+    d_rate = 1 / (d[1] + (4 - 1) * (d[16] - d[1]) / (16 - 1))
+    t_draft = max(base / stream, p["n_params"] / (p["cores"] * d_rate))
+    assert bs["draft_rows"] == 4 and bs["draft_rate_per_core"] == pytest.approx(d_rate, rel=1e-12)
+    assert bs["draft_pass_s"] == round(t_draft, 4)
+    assert bs["tokens_per_second"] == round(3.0 / (4.0 * t_draft + t_verify), 2)
     assert p["gpu"] == "none" and p["projection"] is True and "no GPU" in p["text"]
 
 

@@ -119,6 +119,10 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     assert p["tree_nodes"] == 4 and p["bitsplit"]["tokens_per_verify"] == 4.5
     assert "acceptance profile" in p["bitsplit"]["tokens_per_verify_source"]
     assert [s["nodes"] for s in p["tree_sizes"]] == [1, 4]
+    # figures given on the command line win over the split's own profile (bench's, to check the model)
+    assert main(["plan", str(split), "--gpu", "none", "--tokens-per-verify", "2", "--rounds", "1", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert p["bitsplit"]["tokens_per_verify"] == 2 and p["bitsplit"]["tokens_per_verify_source"] == "given"
     # a preset planned with a measured profile
     assert main(["plan", "qwen2.5-32b", "--vram", "24", "--ram-bandwidth", "60", "--cpu-cores", "16",
                  "--profile", str(split / PROFILE_FILE), "--json"]) == 0

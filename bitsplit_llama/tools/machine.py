@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: ggml_base (the drafter's rate)
 #: batch sizes measured for every family
 BATCHES = (1, 4, 16, 64)
 #: batch sizes the policy is asked about
@@ -449,15 +449,18 @@ def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     return base, cpu
 
 
-def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: Optional[Log] = None) -> list[dict]:
+def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: Optional[Log] = None,
+                 which: str = "residual") -> list[dict]:
     """Stock ggml's CPU kernels (ggml_mul_mat, ggml_graph_plan, ggml_graph_compute) on the residual's own
-    Q6_K bytes: one graph of one product per tensor, the same pass as :func:`measure_residual`'s."""
+    Q6_K bytes (``which="base"``: the base's Q2_K bytes, what a drafter pass reads): one graph of one
+    product per tensor, the same pass as :func:`measure_residual`'s."""
     from ..formats.gguf_file import GGUFFile
-    from ..formats.split import RESIDUAL_NAME
+    from ..formats.split import BASE_NAME, RESIDUAL_NAME
 
     base, cpu = _ggml_libs()
     cpu.ggml_cpu_init()
-    with GGUFFile(split / RESIDUAL_NAME, role="residual") as g:
+    label = "Q2_K base" if which == "base" else "Q6_K"
+    with GGUFFile(split / (BASE_NAME if which == "base" else RESIDUAL_NAME), role=which) as g:
         infos = list(g.tensors)
         total = sum(t.nbytes for t in infos)
         wctx = base.ggml_init(_InitParams(total + len(infos) * (base.ggml_tensor_overhead() + 4096) + 2**20, None, False))
@@ -465,6 +468,8 @@ def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: O
             raise MemoryError("ggml_init failed for the weights")
         try:
             ws = []
+            infos = [t for t in infos if len(t.shape) == 2 and t.shape[0] == size.ne0]
+            total = sum(t.nbytes for t in infos)
             for t in infos:
                 w = base.ggml_new_tensor_2d(wctx, t.ggml_type, t.shape[0], t.shape[1])
                 if base.ggml_nbytes(w) != t.nbytes:
@@ -500,9 +505,10 @@ def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: O
                     t, n = _timed(one_pass, size)
                 finally:
                     base.ggml_free(cctx)
-                row = _row("ggml", b, t, total, size.weights, threads, bandwidth, type="q6_k", passes=n)
+                row = _row("ggml", b, t, total, size.weights, threads, bandwidth,
+                           type="q2_k" if which == "base" else "q6_k", passes=n)
                 rows.append(row)
-                _say(log, f"  ggml Q6_K {'':>12} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
+                _say(log, f"  ggml {label:<17} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
             return rows
         finally:
             base.ggml_free(wctx)
@@ -560,6 +566,11 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
     except Exception as exc:  # the reference is a comparison, not what the profile is for
         ggml = []
         _say(log, f"  ggml reference not measured: {type(exc).__name__}: {exc}")
+    try:  # the drafter's rate: llama.cpp's kernels on the base's bytes (plan --gpu none)
+        ggml_base = measure_ggml(split, size, threads, bw, log, which="base")
+    except Exception as exc:
+        ggml_base = []
+        _say(log, f"  ggml on the base not measured: {type(exc).__name__}: {exc}")
     try:
         devs = devices()
     except Exception as exc:
@@ -587,6 +598,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "residual": residual,
         "with_base": with_base,
         "ggml_reference": ggml,
+        "ggml_base": ggml_base,
         "devices": devs,
         "seconds": round(time.perf_counter() - t_start, 2),
     }

@@ -51,15 +51,18 @@ BASE_BPW = 3.4
 BASE_TYPE_BPW = {"q2_k": BASE_BPW, "iq2_s": 2.5, "iq2_xs": 2.3125, "iq2_xxs": 2.0625, "iq1_m": 1.75}
 RESIDUAL_BPW = {"q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625, "q8_0": 8.5}
 #: the verifier's mean KL against the source as a multiple of stock Q8_0's in the same run, per
-#: (base, residual), measured: `bitsplit eval`, 4,096 tokens of argparse.py + textwrap.py,
-#: Qwen2.5-Coder-1.5B split from its Q4_K_M file (the reference, dequantized), README "Residual
-#: choices". A pair not listed was not measured; `--residual auto` only chooses measured pairs.
+#: (base, residual), measured: `bitsplit eval`, 4,096 tokens, Qwen2.5-Coder-1.5B split from its Q4_K_M
+#: file (the reference, dequantized), README "Residual choices". Where two texts were measured (code:
+#: argparse.py + textwrap.py; English: the GPL-3), the worse: q4_k 0.90x on code but 1.94x on
+#: English, q5_k 0.32x / 0.59x, q6_k 0.088x / 0.19x. A pair not listed was not measured; `--residual
+#: auto` only chooses measured pairs.
 FIDELITY_VS_Q8 = {
-    ("q2_k", "q4_k"): 0.90, ("q2_k", "q5_k"): 0.32, ("q2_k", "q6_k"): 0.088, ("q2_k", "q8_0"): 0.054,
+    ("q2_k", "q4_k"): 1.94, ("q2_k", "q5_k"): 0.59, ("q2_k", "q6_k"): 0.19, ("q2_k", "q8_0"): 0.054,
     ("iq2_xxs", "q4_k"): 2.19, ("iq2_xxs", "q6_k"): 0.21, ("iq2_s", "q6_k"): 0.19,
 }
-FIDELITY_SOURCE = ("measured by bitsplit eval on Qwen2.5-Coder-1.5B split from its Q4_K_M file, 4,096 tokens, "
-                   "not on this model; a 16-bit source may need a larger residual")
+FIDELITY_SOURCE = ("measured by bitsplit eval on Qwen2.5-Coder-1.5B split from its Q4_K_M file, 4,096 tokens of "
+                   "code and (Q2_K base, q4_k-q6_k) of English, the worse kept; not on this model, and a 16-bit "
+                   "source may need a larger residual")
 Q8_BPW = 8.5
 E_RAM = 0.8
 GPU_OVERHEAD = 1.0e9       # CUDA context, compute buffers
@@ -163,6 +166,7 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
     none``). A split directory gives the real base and residual bytes."""
     if ram_bw is not None and not ram_bw > 0:
         raise InvalidOptionError(f"--ram-bandwidth: {ram_bw} must be a positive number")
+    a_src = r_src = acceptance_source
     if residual == "auto":  # a split directory's own files decide; else the smallest type measured within Q8_0's KL
         residual = next((r for r in RESIDUAL_BPW if FIDELITY_VS_Q8.get(("q2_k", r), math.inf) <= 1.0), "q6_k")
     if residual not in RESIDUAL_BPW:
@@ -182,21 +186,33 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
         base, res, size_src = n_params * BASE_BPW / 8, n_params * RESIDUAL_BPW[residual] / 8, "bits per weight assumed"
     stream = ram_bw * GB * E_RAM
     t_q8 = q8 / stream
-    t_draft = base / stream
-    w_core, w_src = _with_base_rate_per_core(profile, verify_rows, why)
-    t_verify = max((base + res) / stream, n_params / (cores * w_core))
-    a_src = r_src = acceptance_source
-    if tokens_per_verify is None:
-        tokens_per_verify, a_src = 4.0, "default (about what a 16-node tree reaches on code with a small model here)"
     if rounds is None:
         rounds, r_src = 5, "default"
+    # a drafter pass: the base's bytes, or llama.cpp's measured rate on Q2_K bytes if slower, at
+    # the rows a pass drafts (the tree's nodes over its passes)
+    draft_rows = max(1, round((verify_rows - 1) / max(rounds, 1.0)))
+    d_rows = (profile or {}).get("ggml_base") or []
+    if d_rows:
+        from .machine import rate_at
+
+        d_core, where = rate_at(d_rows, draft_rows)
+        d_src = f"measured here: machine profile, ggml on Q2_K ({where}, {profile['threads']} threads)"
+        t_draft = max(base / stream, n_params / (cores * d_core))
+    else:
+        d_core, d_src = None, "not measured (the base's bytes at the streaming rate)"
+        t_draft = base / stream
+    w_core, w_src = _with_base_rate_per_core(profile, verify_rows, why)
+    t_verify = max((base + res) / stream, n_params / (cores * w_core))
+    if tokens_per_verify is None:
+        tokens_per_verify, a_src = 4.0, "default (about what a 16-node tree reaches on code with a small model here)"
     tps = tokens_per_verify / (rounds * t_draft + t_verify)
     out = {
         "model": name, "gpu": "none", "n_params": n_params, "ram_bandwidth_gb_s": round(ram_bw, 1),
         "ram_bandwidth_source": ram_src, "e_ram": E_RAM, "cores": cores, "sizes_from": size_src,
         "q8_0": {"size_gb": round(q8 / GB, 2), "seconds_per_token": round(t_q8, 4), "tokens_per_second": round(1 / t_q8, 2)},
         "bitsplit": {"base_gb": round(base / GB, 2), "residual_ram_gb": round(res / GB, 2),
-                     "draft_pass_s": round(t_draft, 4), "verify_pass_s": round(t_verify, 4), "rounds": rounds,
+                     "draft_pass_s": round(t_draft, 4), "draft_rows": draft_rows, "draft_rate_per_core": d_core,
+                     "draft_rate_source": d_src, "verify_pass_s": round(t_verify, 4), "rounds": rounds,
                      "rounds_source": r_src, "tokens_per_verify": tokens_per_verify, "tokens_per_verify_source": a_src,
                      "verify_rate_per_core": w_core, "verify_rate_source": w_src, "verify_rows": verify_rows,
                      "tokens_per_second": round(tps, 2)},
@@ -207,7 +223,8 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
         f"PROJECTION (a cost model, not a measurement) for {name}, {n_params / 1e9:.2f} B parameters, no GPU:",
         f"  RAM {ram_bw:.1f} GB/s ({ram_src}), a streaming pass reaching {E_RAM:g} of it, {cores} CPU cores",
         f"  stock Q8_0: {q8 / GB:.2f} GB per token -> {1 / t_q8:.2f} tokens/s",
-        f"  bitsplit: base {base / GB:.2f} GB + residual {res / GB:.2f} GB ({size_src}); draft pass {1000 * t_draft:.1f} ms, "
+        f"  bitsplit: base {base / GB:.2f} GB + residual {res / GB:.2f} GB ({size_src}); draft pass {1000 * t_draft:.1f} ms "
+        f"({draft_rows} rows; " + (f"{d_core / 1e9:.2f} G weights/s per core, " if d_core else "") + f"{d_src}), "
         f"verify pass {1000 * t_verify:.1f} ms ({verify_rows} rows; {w_core / 1e9:.2f} G weights/s per core, {w_src})",
         f"    {rounds:g} drafter passes per cycle ({r_src}), {tokens_per_verify:g} tokens/verify ({a_src})",
         f"    -> {tps:.2f} tokens/s, {tps * t_q8:.2f}x stock Q8_0",
