@@ -472,6 +472,8 @@ def plan(
     max_kl: float = typer.Option(1.0, "--max-kl", help="With --residual auto: the largest verifier KL allowed, as a "
                                  "multiple of stock Q8_0's (measured per base and residual type)."),
     n_ctx: int = typer.Option(8192, "--n-ctx"),
+    ram: Optional[float] = typer.Option(None, "--ram", help="System RAM in GB for the residual and the base's layers "
+                                        "off the GPU: plans that need more are not chosen (default: not checked)."),
     tokens_per_verify: Optional[float] = typer.Option(None, "--tokens-per-verify", help="Tokens per verification (default 4.0)."),
     rounds: Optional[float] = typer.Option(None, "--rounds", help="Drafter passes per cycle (default 5; bench's "
                                            "JSON gives the measured draft_passes_per_verify)."),
@@ -523,6 +525,8 @@ def plan(
             raise InvalidOptionError("--vram with --gpu none: there is no GPU to fill; leave --vram out")
         if keep_layers is not None:
             raise InvalidOptionError("--keep-layers with --gpu none: no GPU holds whole layers; leave it out")
+        if ram is not None:
+            raise InvalidOptionError("--ram with --gpu none: the split's own files are what runs; leave it out")
         if base_type != "auto":
             raise InvalidOptionError("--base with --gpu none: a split directory's own base is measured; leave it out")
         if len(profiles) > 1:
@@ -541,7 +545,7 @@ def plan(
         p = choose_plan(str(model), base_type=base_type, residual=residual, profiles=profiles, max_kl=max_kl,
                         tokens_per_verify=tokens_per_verify, rounds=rounds, verify_rows=verify_rows, vram_gb=vram,
                         gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth, n_ctx=n_ctx, cores=cpu_cores,
-                        keep_layers=keep_layers, log=_say)
+                        keep_layers=keep_layers, ram_gb=ram, log=_say)
     if as_json:
         _print_json(p)
         return

@@ -242,7 +242,7 @@ def test_plan_chooses_base_and_residual(cache, monkeypatch):
     """--base auto plans each base of the acceptance profiles given with its own profile, --residual
     auto each residual type measured within --max-kl of stock Q8_0's KL with that base; the best
     projection is the plan, its split command makes those types, and every pair is listed."""
-    from bitsplit_llama.errors import InvalidOptionError
+    from bitsplit_llama.errors import InputError, InvalidOptionError
     from bitsplit_llama.tools import plan as P
 
     _fixed_machine(monkeypatch)
@@ -278,6 +278,16 @@ def test_plan_chooses_base_and_residual(cache, monkeypatch):
     # no profile: q2_k alone (another base's acceptance is not assumed)
     d = P.choose_plan("qwen2.5-32b", tokens_per_verify=4.0, rounds=5, **kw)
     assert {c["base_type"] for c in d["choices"]} == {"q2_k"}
+    # --ram: what stays in RAM (residual, base layers off the GPU) is counted; pairs that need more are not chosen
+    need = {(c["base_type"], c["residual"]): c["ram_needed_gb"] for c in p["choices"]}
+    assert need[("iq2_xxs", "q6_k")] == p["ram"]["needed_gb"] and p["ram"]["fits"] is None and "give --ram" in p["text"]
+    roomy = P.choose_plan("llama-3-70b", profiles=[(q2, "q2", "q2_k"), (iq, "iq", "iq2_xxs")], ram_gb=200, **kw)
+    assert roomy["ram"]["fits"] is True and roomy["base_type"] == p["base_type"]
+    tight_ram = min(need.values()) + 0.5
+    small = P.choose_plan("llama-3-70b", profiles=[(q2, "q2", "q2_k"), (iq, "iq", "iq2_xxs")], ram_gb=tight_ram, **kw)
+    assert small["ram"]["fits"] and all(c["ram_needed_gb"] <= tight_ram for c in small["choices"])
+    with pytest.raises(InputError, match=r"--ram 8: no plan fits; the smallest needs"):
+        P.choose_plan("llama-3-70b", profiles=[(q2, "q2", "q2_k"), (iq, "iq", "iq2_xxs")], ram_gb=8, **kw)
     # one profile stands in for an explicit base it was not measured with, and says so
     s = P.choose_plan("llama-3-70b", base_type="iq2_xxs", residual="q6_k", profiles=[(q2, "q2.json", "q2_k")], **kw)
     assert "standing in for iq2_xxs" in s["bitsplit"]["tokens_per_verify_source"]

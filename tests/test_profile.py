@@ -158,6 +158,8 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     (["plan", "qwen2.5-32b", "--vram", "24", "--residual", "q3_k"], 2, "--residual: 'q3_k'"),
     (["plan", "qwen2.5-32b", "--vram", "24", "--base", "q1"], 2, "--base: 'q1'"),
     (["plan", "qwen2.5-32b", "--vram", "24", "--max-kl", "0"], 2, "--max-kl: 0"),
+    (["plan", "qwen2.5-32b", "--vram", "24", "--ram", "0"], 2, "--ram: 0"),
+    (["plan", "{s}", "--gpu", "none", "--ram", "64"], 2, "--ram with --gpu none"),
     (["plan", "qwen2.5-32b", "--vram", "24", "--max-kl", "0.0001"], 2, "--residual auto: no residual type"),
 ])
 def test_errors(split, tmp_path, capsys, args, code, fragment):

@@ -249,7 +249,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
               ram_bw: float | None = None, residual: str = "q6_k", n_ctx: int = 8192,
               tokens_per_verify: float | None = None, rounds: int | None = None, cores: int | None = None,
               verify_rows: int = 17, keep_layers: int | None = None, base_type: str = "q2_k",
-              acceptance_source: str = "given", log=None) -> dict:
+              acceptance_source: str = "given", ram_gb: float | None = None, log=None) -> dict:
     """``keep_layers``: at most this many whole layers (None: as many as fit, 0: none); ``base_type``:
     the base's type (``split --base``)."""
     if base_type not in BASE_TYPE_BPW:
@@ -265,6 +265,8 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         raise InvalidOptionError(f"--residual: '{residual}' unknown (expected one of: {', '.join(RESIDUAL_BPW)})")
     if n_ctx < 1:
         raise InvalidOptionError(f"--n-ctx: {n_ctx} is not positive")
+    if ram_gb is not None and not (math.isfinite(ram_gb) and ram_gb > 0):
+        raise InvalidOptionError(f"--ram: {ram_gb} must be a positive number")
     name, (L, E, F, H, KV, V), n_params = _shape_from(str(model))
     cores = cores or os.cpu_count() or 1
     profile, why = _machine(log)
@@ -317,7 +319,11 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         return dict(kept=kept, gpu_bytes=gpu_bytes, base_cpu=base_cpu, res=res, t_res=t_res, t_pcie=t_pcie,
                     t_draft=t_draft, t_verify=t_verify, tps=tokens_per_verify / (rounds * t_draft + t_verify))
 
-    best = max((project(k) for k in range(fit + 1)), key=lambda p: p["tps"])
+    # what stays in RAM: the residual and the base's layers the GPU does not hold (with --ram, a
+    # placement that needs more than it is not chosen while one that fits exists)
+    placements = [project(k) for k in range(fit + 1)]
+    fitting = [p for p in placements if ram_gb is None or (p["res"] + p["base_cpu"]) <= ram_gb * GB]
+    best = max(fitting or placements, key=lambda p: p["tps"])
     kept, gpu_bytes, base_cpu, res = best["kept"], best["gpu_bytes"], best["base_cpu"], best["res"]
     t_res, t_pcie, t_draft, t_verify, tps = (best[k] for k in ("t_res", "t_pcie", "t_draft", "t_verify", "tps"))
     tps_q8 = 1 / t_q8
@@ -341,6 +347,9 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         "projected_speedup": round(tps / tps_q8, 2),
         "projection": True,
     }
+    ram_need = res + base_cpu
+    out["ram"] = {"needed_gb": round(ram_need / GB, 1), "q8_0_needed_gb": round(q8_cpu / GB, 1),
+                  "given_gb": ram_gb, "fits": None if ram_gb is None else ram_need <= ram_gb * GB}
     fits = "fits" if ngl_b == L else f"does not fit: {ngl_b}/{L} base layers on the GPU, {base_cpu / GB:.1f} GB on the CPU"
     if kept:
         fits += f"; {kept} of {L} layers whole (Q8_0, no residual) in the memory left"
@@ -354,6 +363,10 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         f"    draft pass {1000 * t_draft:.1f} ms, verify pass {1000 * t_verify:.1f} ms (residual {1000 * t_res:.1f} ms, "
         f"PCIe {1000 * t_pcie:.1f} ms), {rounds} drafter passes per cycle, {tokens_per_verify:g} tokens/verify ({a_src})",
         f"    -> {tps:.2f} tokens/s, {tps / tps_q8:.2f}x stock Q8_0",
+        f"  RAM: bitsplit holds {ram_need / GB:.1f} GB there (residual and base layers off the GPU), stock Q8_0 "
+        f"{q8_cpu / GB:.1f} GB, besides the OS: " + ("not checked (give --ram GB)" if ram_gb is None else
+                                                    f"{'fits' if ram_need <= ram_gb * GB else 'DOES NOT FIT'} "
+                                                    f"--ram {ram_gb:g}"),
         f"  residual compute: {w_core / 1e9:.2f} G weights/s per core, {w_src}",
         f"  make it: {out['split_command']}",
         "  assumed: " + _constants_text(),
@@ -442,6 +455,13 @@ def choose_plan(model: str | os.PathLike[str], *, base_type: str = "auto", resid
             p["fidelity"] = {"kl_vs_q8_0": kl, "max_kl_vs_q8_0": max_kl, "within": kl is not None and kl <= max_kl,
                              "source": FIDELITY_SOURCE if kl is not None else "not measured"}
             plans.append(p)
+    if plans and kw.get("ram_gb") is not None:
+        fitting = [p for p in plans if p["ram"]["fits"]]
+        if not fitting:
+            least = min(plans, key=lambda p: p["ram"]["needed_gb"])
+            raise InputError(f"--ram {kw['ram_gb']:g}: no plan fits; the smallest needs {least['ram']['needed_gb']:g} GB "
+                             f"of RAM (base {least['base_type']}, residual {least['residual']})")
+        plans = fitting
     if not plans:
         raise InvalidOptionError(f"--residual auto: no residual type was measured within {max_kl:g}x stock Q8_0's KL "
                                  f"with base {', '.join(skipped)} (measured: "
@@ -449,7 +469,8 @@ def choose_plan(model: str | os.PathLike[str], *, base_type: str = "auto", resid
     best = max(plans, key=lambda p: (p["bitsplit"]["tokens_per_second"], -RESIDUAL_BPW[p["residual"]]))
     best["choices"] = [{"base_type": p["base_type"], "residual": p["residual"],
                         "kl_vs_q8_0": p["fidelity"]["kl_vs_q8_0"], "tree_nodes": p.get("tree_nodes"),
-                        "kept_whole": p["placement"]["kept_whole"], "tokens_per_second": p["bitsplit"]["tokens_per_second"],
+                        "kept_whole": p["placement"]["kept_whole"], "ram_needed_gb": p["ram"]["needed_gb"],
+                        "tokens_per_second": p["bitsplit"]["tokens_per_second"],
                         "projected_speedup": p["projected_speedup"]} for p in plans]
     lines, chosen = [], plans.index(best)
     for i, c in enumerate(best["choices"]):
