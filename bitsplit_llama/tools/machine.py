@@ -459,17 +459,16 @@ def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: O
 
     base, cpu = _ggml_libs()
     cpu.ggml_cpu_init()
-    label = "Q2_K base" if which == "base" else "Q6_K"
-    with GGUFFile(split / (BASE_NAME if which == "base" else RESIDUAL_NAME), role=which) as g:
-        infos = list(g.tensors)
+    fname, wtype, label = (BASE_NAME, "q2_k", "Q2_K base") if which == "base" else (RESIDUAL_NAME, "q6_k", "Q6_K")
+    with GGUFFile(split / fname, role=which) as g:
+        # the synthetic weights (the base file holds nothing else, but only these are the measured pass)
+        infos = [t for t in g.tensors if len(t.shape) == 2 and t.shape[0] == size.ne0]
         total = sum(t.nbytes for t in infos)
         wctx = base.ggml_init(_InitParams(total + len(infos) * (base.ggml_tensor_overhead() + 4096) + 2**20, None, False))
         if not wctx:
             raise MemoryError("ggml_init failed for the weights")
         try:
             ws = []
-            infos = [t for t in infos if len(t.shape) == 2 and t.shape[0] == size.ne0]
-            total = sum(t.nbytes for t in infos)
             for t in infos:
                 w = base.ggml_new_tensor_2d(wctx, t.ggml_type, t.shape[0], t.shape[1])
                 if base.ggml_nbytes(w) != t.nbytes:
@@ -505,8 +504,7 @@ def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: O
                     t, n = _timed(one_pass, size)
                 finally:
                     base.ggml_free(cctx)
-                row = _row("ggml", b, t, total, size.weights, threads, bandwidth,
-                           type="q2_k" if which == "base" else "q6_k", passes=n)
+                row = _row("ggml", b, t, total, size.weights, threads, bandwidth, type=wtype, passes=n)
                 rows.append(row)
                 _say(log, f"  ggml {label:<17} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
             return rows

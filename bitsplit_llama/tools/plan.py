@@ -63,6 +63,13 @@ FIDELITY_VS_Q8 = {
 FIDELITY_SOURCE = ("measured by bitsplit eval on Qwen2.5-Coder-1.5B split from its Q4_K_M file, 4,096 tokens of "
                    "code and (Q2_K base, q4_k-q6_k) of English, the worse kept; not on this model, and a 16-bit "
                    "source may need a larger residual")
+
+
+def residuals_within(base_type: str, max_kl: float) -> list[str]:
+    """The residual types measured within ``max_kl`` times stock Q8_0's KL with this base, smallest first."""
+    return [r for r in RESIDUAL_BPW if FIDELITY_VS_Q8.get((base_type, r), math.inf) <= max_kl]
+
+
 Q8_BPW = 8.5
 E_RAM = 0.8
 GPU_OVERHEAD = 1.0e9       # CUDA context, compute buffers
@@ -168,7 +175,7 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
         raise InvalidOptionError(f"--ram-bandwidth: {ram_bw} must be a positive number")
     a_src = r_src = acceptance_source
     if residual == "auto":  # a split directory's own files decide; else the smallest type measured within Q8_0's KL
-        residual = next((r for r in RESIDUAL_BPW if FIDELITY_VS_Q8.get(("q2_k", r), math.inf) <= 1.0), "q6_k")
+        residual = next(iter(residuals_within("q2_k", 1.0)), "q6_k")
     if residual not in RESIDUAL_BPW:
         raise InvalidOptionError(f"--residual: '{residual}' unknown (expected auto or one of: {', '.join(RESIDUAL_BPW)})")
     split = _split_bytes(str(model))
@@ -442,7 +449,7 @@ def choose_plan(model: str | os.PathLike[str], *, base_type: str = "auto", resid
         elif prof is not None and mine[0][3]:
             src = f"{src} (its base type not recorded: taken as q2_k)"
         if residual == "auto":
-            res = [r for r in RESIDUAL_BPW if FIDELITY_VS_Q8.get((b, r), math.inf) <= max_kl]
+            res = residuals_within(b, max_kl)
             if not res:
                 skipped.append(b)
                 continue

@@ -39,10 +39,6 @@ def parse_nodes(text: str) -> list[int]:
     return nodes
 
 
-def _base_fingerprint(split: Path) -> str:
-    return _split_keys(split)["base_fingerprint"]
-
-
 def _split_keys(split: Path) -> dict:
     """The split's base fingerprint, base type, residual type and whether its base was made with an
     importance matrix (residual.gguf's metadata)."""
@@ -68,7 +64,7 @@ def profile_base_type(prof: dict, path: str | os.PathLike[str] | None = None) ->
         d = d if d.is_dir() else d.parent
         try:
             return _split_keys(d)["base_type"]
-        except Exception:  # not a split directory: the type is unknown
+        except (InputError, OSError):  # not a split directory: the type is unknown
             return None
     return None
 
@@ -169,10 +165,13 @@ def load_profile(split: str | os.PathLike[str], *, strict: bool = False) -> dict
         if strict:
             raise InputError(f"{path}: not an acceptance profile of this bitsplit (remake it with 'bitsplit profile')")
         return None
-    if prof.get("base_fingerprint") != _base_fingerprint(Path(split)):
+    keys = _split_keys(Path(split))
+    if prof.get("base_fingerprint") != keys["base_fingerprint"]:
         if strict:
             raise InputError(f"{path}: measured on another base.gguf (remake it with 'bitsplit profile')")
         return None
+    for k in ("base_type", "residual_type"):  # profiles written before they were recorded: the split says
+        prof[k] = prof.get(k) or keys[k]
     return prof
 
 

@@ -237,9 +237,10 @@ TGT_AVX512 static void deq_q4_1(const uint8_t * b, float * out) {
  * 8-byte magnitudes, with a 7-bit index into a table of 8 signs, and one 4-bit scale per 32
  * (IQ2_XXS) or 16 (IQ2_XS) values: w = d * (0.5 + s) * 0.25 * grid[j] * sign[j]. The grids and the
  * sign table are not copied from ggml: they are read once from ggml's own dequantizer (blocks that
- * hold each index in turn, unit scale), and then a block of pseudo-random codes of each type is
- * decoded both ways and must agree bit for bit; if anything is off (another ggml, another block
- * layout), these types keep going through ggml's dequantizer. */
+ * hold each index in turn, unit scale), and then blocks of pseudo-random codes of each type are
+ * decoded by ggml and by deq_iq2 (the SIMD decoder the tile families use) and must agree bit for
+ * bit; if anything is off (another ggml, another block layout), these types keep going through
+ * ggml's dequantizer. */
 #define IQ2XXS_BYTES 66 /* fp16 d, 32 x uint16 codes */
 #define IQ2XS_BYTES 74  /* fp16 d, 32 x uint16 codes, 8 bytes of scales */
 static uint64_t iq2xxs_grid_here[256], iq2xs_grid_here[512];
@@ -247,31 +248,7 @@ static uint8_t iq2_signs_here[128];
 static bool iq2_ready;
 static pthread_once_t iq2_once = PTHREAD_ONCE_INIT;
 
-static float iq2_scalar(const uint8_t * b, int xs, int i) { /* value i of a block, from the tables */
-    float d;
-    uint16_t h;
-    memcpy(&h, b, 2);
-    d = ggml_fp16_to_fp32(h);
-    const int ib = i / 32, l = (i % 32) / 8, j = i % 8;
-    uint64_t g;
-    uint8_t sg;
-    float db;
-    if (xs) {
-        uint16_t q;
-        memcpy(&q, b + 2 + 8 * ib + 2 * l, 2);
-        const uint8_t sc = b[66 + ib];
-        db = d * (0.5f + (l < 2 ? (sc & 0xf) : (sc >> 4))) * 0.25f;
-        g = iq2xs_grid_here[q & 511];
-        sg = iq2_signs_here[q >> 9];
-    } else {
-        uint32_t aux[2];
-        memcpy(aux, b + 2 + 8 * ib, 8);
-        db = d * (0.5f + (aux[1] >> 28)) * 0.25f;
-        g = iq2xxs_grid_here[(aux[0] >> (8 * l)) & 255];
-        sg = iq2_signs_here[(aux[1] >> (7 * l)) & 127];
-    }
-    return db * (float)(uint8_t)(g >> (8 * j)) * ((sg >> j) & 1 ? -1.f : 1.f);
-}
+TGT_AVX512 static void deq_iq2(bool xs, const uint8_t * b, float * out); /* below: the decoder checked */
 
 /* the magnitudes of n grid entries, index i at code slot i of unit-scale blocks (8 codes per 32
  * values), read back from ggml's dequantizer */
@@ -338,7 +315,7 @@ static void iq2_init(void) {
     }
     /* the check: pseudo-random codes, scales and signs, both ways, bit for bit */
     uint8_t rb[2 * IQ2XS_BYTES];
-    float ref[256];
+    float ref[256], got[256];
     uint32_t st = 0x9e3779b9u;
     for (int xs = 0; xs < 2; xs++) {
         const int bb = xs ? IQ2XS_BYTES : IQ2XXS_BYTES;
@@ -350,10 +327,8 @@ static void iq2_init(void) {
             const uint16_t d = rep ? 0x2E66 : 0xB800; /* 0.1, -0.5 */
             memcpy(rb, &d, 2);
             (xs ? b : a)->to_float(rb, ref, 256);
-            for (int i = 0; i < 256; i++) {
-                const float v = iq2_scalar(rb, xs, i);
-                if (memcmp(&v, &ref[i], 4) != 0) return;
-            }
+            deq_iq2(xs, rb, got); /* the SIMD decoder itself (reached only on AVX-512 CPUs) */
+            if (memcmp(got, ref, sizeof ref) != 0) return;
         }
     }
     iq2_ready = true;
