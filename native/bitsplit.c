@@ -236,6 +236,34 @@ int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, 
     return st;
 }
 
+/* the fast drafter's product W2 . x of a weight with residual, as the callback computes it with the
+ * residual off (8-bit activations, the draft policy's family), on this library's threads */
+int bitsplit_ctx_draft_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols, float * y) {
+    if (ctx == NULL || name == NULL || x == NULL || y == NULL || n_cols < 1) {
+        return BITSPLIT_E_INVALID;
+    }
+    const bs_entry * e = bs_find_entry(ctx, name);
+    if (e == NULL || e->exact || e->ne[2] != 1 || e->ne[3] != 1) {
+        return BITSPLIT_E_INVALID; /* the drafter computes base products of weights with residual only */
+    }
+    bs_job job;
+    bs_fill_job(&job, e, e->base_data, 0, e->ne[1]);
+    job.r = NULL;
+    job.draft = true;
+    bs_job_columns(&job, ctx, x, n_cols, y);
+    if (bs_draft_policy(&job) == NULL) {
+        return BITSPLIT_E_UNSUPPORTED; /* ggml's own kernel drafts this product */
+    }
+    const uint64_t t0 = bs_now_ns();
+    bs_overlap_drain(ctx);
+    const int st = bs_run_on_pool(ctx, &job);
+    if (st == BITSPLIT_OK) {
+        atomic_fetch_add(&ctx->c_draft, 1);
+        atomic_fetch_add(&ctx->c_ns_draft, bs_now_ns() - t0);
+    }
+    return st;
+}
+
 const char * bitsplit_ctx_family_of(bitsplit_ctx * ctx, const char * name, int64_t n_cols, bool with_base) {
     bs_job job;
     if (n_cols < 1 || matmul_job(ctx, name, NULL, n_cols, NULL, with_base, &job) != BITSPLIT_OK) {

@@ -137,6 +137,10 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data);
  * For tests and benchmarks: the same kernels the callback uses, on this library's threads. */
 int bitsplit_ctx_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols,
                         float * y, bool with_base);
+/* y = W2 . x as the fast drafter computes it (the residual off: the draft policy's family, 8-bit
+ * activations) for a weight with residual; BITSPLIT_E_UNSUPPORTED where ggml's own kernel drafts
+ * it (no draft family here, too few columns, a type that family does not read). For benchmarks. */
+int bitsplit_ctx_draft_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols, float * y);
 /* the kernel family that computes bitsplit_ctx_matmul(ctx, name, ., n_cols, ., with_base) now
  * ("" where that call would be refused: an unknown or 3-D weight, a bad column count, R . x of a
  * weight without residual) */

@@ -336,6 +336,42 @@ def test_family_of_names_who_computes_a_product(tiny_split, exact_split):
             res.family_of(head, 2, with_base=False)
 
 
+def test_draft_matmul_is_the_fast_drafters_product(tiny_split, exact_split):
+    """draft_matmul (what the machine profile times as the native drafter): W2 . x within the 8-bit
+    activations' rounding bound from the batch the draft family takes; None below it, or where this
+    CPU has no draft family (ggml drafts); refused for a weight without residual and a bad x."""
+    from bitsplit_llama.errors import InputError
+
+    name = "blk.0.ffn_down.weight"
+    with Residual(tiny_split) as res, GGUFFile(tiny_split / "base.gguf") as b:
+        t = next(t for t in b.tensors if t.name == name)
+        w2 = _ggml.dequantize_rows(b.read_rows(t, 0, t.n_rows), t.ggml_type, t.shape[0]).astype(np.float64)
+        fam, min_cols = policy.draft_kernel(), policy.draft_min_cols()
+        rng = np.random.default_rng(9)
+        for n in (1, 2, 4, 17):
+            x = rng.standard_normal((n, t.shape[0])).astype(np.float32)
+            y = res.draft_matmul(name, x)
+            if fam is None or n < min_cols:
+                assert y is None, (fam, n)
+                continue
+            assert y is not None and y.shape == (n, t.shape[1])
+            ref = x.astype(np.float64) @ w2.T
+            # each activation moves by at most half a step of its 256-block's max / 127
+            bound = np.zeros_like(ref)
+            for k0 in range(0, t.shape[0], 256):
+                amax = np.abs(x[:, k0:k0 + 256]).max(axis=1, keepdims=True).astype(np.float64)
+                bound += amax / 254.0 * np.abs(w2[:, k0:k0 + 256]).sum(axis=1)[None, :]
+            assert np.all(np.abs(y - ref) <= bound * 1.001 + 1e-5), (fam, n)
+        with pytest.raises(InvalidOptionError):
+            res.draft_matmul(name, np.zeros((2, t.shape[0] + 1), np.float32))
+        with pytest.raises(InputError, match="no-such"):
+            res.draft_matmul("no-such.weight", np.zeros((2, t.shape[0]), np.float32))
+    with Residual(exact_split) as res:  # the output head has no residual: ggml drafts it
+        head = res.exact_tensors()[0]
+        with pytest.raises(InputError):
+            res.draft_matmul(head, np.zeros((4, 256), np.float32))
+
+
 def test_decode_kernel_follows_the_policy(tiny_split):
     """choose_decode_kernel asks the native policy (no thresholds in Python)."""
     with Residual(tiny_split) as res:

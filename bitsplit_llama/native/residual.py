@@ -221,6 +221,28 @@ class Residual:
                                if t.name not in res and len(t.shape) == 2 and t.shape[1] > 1}
         return self._exact
 
+    def draft_matmul(self, name: str, x: np.ndarray) -> np.ndarray | None:
+        """W2 . x as the fast drafter computes it with the residual off (the draft policy's family,
+        8-bit activations), x of shape (n_cols, ne0); None where ggml's own kernel drafts that
+        product instead (no draft family on this CPU, fewer columns than it takes, a type it does
+        not read). For benchmarks and the machine profile."""
+        if getattr(self, "_info", None) is None:
+            self._info = {t[0]: t for t in self.tensors()}
+        ne = self._info[name][1] if name in self._info else None
+        if ne is None:
+            raise InputError(f"{self.residual_path}: has no tensor '{name}' with a residual")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != ne[0] or x.shape[0] < 1:
+            raise InvalidOptionError(f"x must have shape (n_cols >= 1, {ne[0]}), got {x.shape}")
+        y = np.empty((x.shape[0], ne[1]), dtype=np.float32)
+        st = self._lib.bitsplit_ctx_draft_matmul(self.ptr, name.encode(), self._ffi.cast("float *", x.ctypes.data),
+                                                 x.shape[0], self._ffi.cast("float *", y.ctypes.data))
+        if st == self._lib.BITSPLIT_E_UNSUPPORTED:
+            return None
+        if st != 0:
+            _raise(st, f"draft_matmul on '{name}' failed: {native.status_text(st)}")
+        return y
+
     def matmul(self, name: str, x: np.ndarray, with_base: bool = True) -> np.ndarray:
         """(W2 + R) . x (or R . x) for a 2-D weight, x of shape (n_cols, ne0): the callback's kernels
         on this context's own threads. Returns (n_cols, ne1) float32. For a base matrix without

@@ -50,6 +50,8 @@
 /* optional API (newer libraries): tested when linked in */
 void bitsplit_ctx_set_draft_kernel(bitsplit_ctx * ctx, bool on);
 #pragma weak bitsplit_ctx_set_draft_kernel
+int bitsplit_ctx_draft_matmul(bitsplit_ctx * ctx, const char * name, const float * x, int64_t n_cols, float * y);
+#pragma weak bitsplit_ctx_draft_matmul
 
 /* ---------------------------------------------------------------------------------------------
  * bookkeeping
@@ -1173,6 +1175,24 @@ static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mte
             memcpy(y1, Y->data, (size_t)(N * n_cols) * sizeof(float));
             run_custom(Y, 2);
             CHECK(memcmp(Y->data, y1, (size_t)(N * n_cols) * sizeof(float)) == 0, "%s: drafter, 2 threads", what);
+        }
+        if (bitsplit_ctx_draft_matmul != NULL) {
+            /* the same product asked directly (benchmarks): the callback's kernel, bit for bit, or
+             * refused where ggml's kernel drafts it */
+            float * y2 = malloc((size_t)(N * n_cols) * sizeof(float));
+            const int st2 = bitsplit_ctx_draft_matmul(ctx, mt->r->name, x, n_cols, y2);
+            if (expect) {
+                CHECK(st2 == BITSPLIT_OK && memcmp(y2, y1, (size_t)(N * n_cols) * sizeof(float)) == 0,
+                      "%s: draft_matmul (status %d) differs from the callback's drafter", what, st2);
+            } else {
+                CHECK(st2 == BITSPLIT_E_UNSUPPORTED, "%s: draft_matmul status %d where ggml drafts", what, st2);
+            }
+            CHECK(bitsplit_ctx_draft_matmul(ctx, mt->r->name, x, 0, y2) == BITSPLIT_E_INVALID &&
+                  bitsplit_ctx_draft_matmul(ctx, mt->r->name, NULL, n_cols, y2) == BITSPLIT_E_INVALID &&
+                  bitsplit_ctx_draft_matmul(ctx, "no.such.tensor", x, n_cols, y2) == BITSPLIT_E_INVALID &&
+                  bitsplit_ctx_draft_matmul(NULL, mt->r->name, x, n_cols, y2) == BITSPLIT_E_INVALID,
+                  "%s: draft_matmul refuses bad arguments", what);
+            free(y2);
         }
         bitsplit_ctx_set_draft_kernel(ctx, false);
         CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_MUL_MAT, "%s: drafter restored", what);
