@@ -490,6 +490,10 @@ def plan(
                                                  "Repeatable: one per base type, which --base auto chooses among. A "
                                                  "split directory given as MODEL (--gpu none) has its own read "
                                                  "without this option, unless --tokens-per-verify/--rounds are given."),
+    measure: bool = typer.Option(True, "--measure/--no-measure", help="With --gpu none and a split directory: time "
+                                 "a drafter and a verify pass's products on the split's own tensors at the planned "
+                                 "rows (seconds per tree size); --no-measure takes the machine profile's rates, "
+                                 "measured on synthetic 4,096-wide tensors."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Project what fits where and the tokens/s of bitsplit vs stock Q8_0 with partial offload (a projection).
@@ -531,7 +535,8 @@ def plan(
             raise InvalidOptionError("--base with --gpu none: a split directory's own base is measured; leave it out")
         if len(profiles) > 1:
             raise InvalidOptionError("--profile with --gpu none: one profile at most (the split's own)")
-        make = partial(make_cpu_plan, str(model), ram_bw=ram_bandwidth, residual=residual, cores=cpu_cores, log=_say)
+        make = partial(make_cpu_plan, str(model), ram_bw=ram_bandwidth, residual=residual, cores=cpu_cores,
+                       measure=measure, log=_say)
         if profiles:
             p = plan_with_profile(make, profiles[0][0], profiles[0][1])
         else:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from bitsplit_llama.cache import cache_dir
@@ -51,20 +52,26 @@ def check_profile(p: dict) -> None:
     assert p["kernel_by_batch"] == {str(b): policy.kernel_for_batch(b) for b in (1, 2, 4, 5, 8, 16, 32, 64)}
     assert p["threads"] >= 1 and positive(p["memory_bandwidth_gb_s"])
     assert {(r["family"], r["batch"]) for r in p["residual"]} == {(f, b) for f in fams for b in (1, 4, 16, 64)}
-    for r in p["residual"] + p["with_base"] + p["ggml_reference"]:
+    for r in p["residual"] + p["with_base"] + p["ggml_reference"] + p["ggml_base"] + p["native_draft"]:
         for k in ROW_KEYS:
             assert k in r, (k, r)
-        assert r["family"] in fams or r["family"] == "ggml"
+        assert r["family"] in fams or r["family"] == "ggml", r
         for k in ("gb_per_s", "gb_per_s_per_core", "bandwidth_use", "weights_per_s", "seconds"):
             assert positive(r[k]), (k, r)
         assert r["gb_per_s_per_core"] == pytest.approx(r["gb_per_s"] / p["threads"], rel=0.01, abs=0.002)
         assert r["bandwidth_use"] == pytest.approx(r["gb_per_s"] / p["memory_bandwidth_gb_s"], rel=0.02, abs=1e-3)
     for r in p["residual"]:  # the policy's family is flagged as such
         assert r["policy"] == (r["family"] == p["kernel_by_batch"][str(r["batch"])])
-    assert [r["family"] for r in p["with_base"]] == [p["kernel_by_batch"]["1"], p["kernel_by_batch"]["16"]]
+    # the verifier's pass at the small batches a chain or a small tree verifies, and at 16
+    assert [(r["batch"], r["family"]) for r in p["with_base"]] == [(b, p["kernel_by_batch"][str(b)]) for b in (1, 2, 4, 16)]
     assert {r["batch"] for r in p["ggml_reference"]} == {1, 16}  # llama-cpp-python's ggml is always there
     # and the drafter's rate: ggml on the base's Q2_K bytes (plan --gpu none)
-    assert {r["batch"] for r in p["ggml_base"]} == {1, 16} and all(r["type"] == "q2_k" for r in p["ggml_base"])
+    assert {r["batch"] for r in p["ggml_base"]} == {1, 2, 4, 16} and all(r["type"] == "q2_k" for r in p["ggml_base"])
+    # the native drafter's rate, at the batches its family takes (none where ggml drafts)
+    want = {b for b in (2, 4, 16) if policy.draft_kernel() and b >= policy.draft_min_cols()}
+    assert {r["batch"] for r in p["native_draft"]} == want
+    assert all(r["family"] == policy.draft_kernel() for r in p["native_draft"])
+    assert all(r["bytes"] == p["ggml_base"][0]["bytes"] for r in p["native_draft"])  # the same base bytes
     assert all(r["bytes"] < p["ggml_reference"][0]["bytes"] for r in p["ggml_base"])  # 2-bit, smaller than Q6_K
     assert any(d["type"] == "cpu" for d in p["devices"])
 
@@ -188,26 +195,80 @@ def test_cpu_plan_reads_the_split_and_the_profile(capsys, cache, monkeypatch, ti
 
     prof, _ = doctor(capsys)
     monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)
-    p = make_cpu_plan(str(tiny_split), tokens_per_verify=3.0, rounds=4.0, verify_rows=17)
+    p = make_cpu_plan(str(tiny_split), tokens_per_verify=3.0, rounds=4.0, verify_rows=17, measure=False)
+    assert p["bitsplit"]["measured_products"] is None
+    # the bytes a pass reads: not the embedding, looked up a row per token beside the output head
     with GGUFFile(tiny_split / "base.gguf") as b, GGUFFile(tiny_split / "residual.gguf") as r:
-        base, res = sum(t.nbytes for t in b.tensors), sum(t.nbytes for t in r.tensors)
+        assert any(t.name == "output.weight" for t in b.tensors)
+        base = sum(t.nbytes for t in b.tensors if t.name != "token_embd.weight")
+        res = sum(t.nbytes for t in r.tensors if t.name != "token_embd.weight")
+        n_mm = sum(t.n_elements for t in b.tensors if t.name != "token_embd.weight")
+    assert p["n_params"] == n_mm
     bs = p["bitsplit"]
     assert bs["base_gb"] == round(base / 1e9, 2) and bs["residual_ram_gb"] == round(res / 1e9, 2)
-    # 17 rows: past the largest measured batch (16), extrapolated from the last two (1 and 16)
+    # 17 rows: past the largest measured batch (16), extrapolated from the last two (4 and 16)
     s = {r["batch"]: 1 / r["weights_per_s_per_core"] for r in prof["with_base"]}
-    rate = 1 / (s[16] + (17 - 16) * max(0.0, (s[16] - s[1]) / (16 - 1)))
+    rate = 1 / (s[16] + (17 - 16) * max(0.0, (s[16] - s[4]) / (16 - 4)))
     assert bs["verify_rate_per_core"] == pytest.approx(rate, rel=1e-12)
     stream = prof["memory_bandwidth_gb_s"] * 1e9 * E_RAM
     t_verify = max((base + res) / stream, p["n_params"] / (p["cores"] * rate))
     assert bs["verify_pass_s"] == round(t_verify, 4)
-    # a drafter pass: the base's bytes, or ggml's measured Q2_K rate at its rows (16 nodes / 4 passes) if slower
-    d = {r["batch"]: 1 / r["weights_per_s_per_core"] for r in prof["ggml_base"]}
-    d_rate = 1 / (d[1] + (4 - 1) * (d[16] - d[1]) / (16 - 1))
+    # a drafter pass: the base's bytes, or the drafter's measured rate at its rows (16 nodes / 4
+    # passes) if slower: the native drafter's where its family takes 4 columns, else ggml's on Q2_K
+    rows = prof["native_draft"] if any(r["batch"] <= 4 for r in prof["native_draft"]) else prof["ggml_base"]
+    d_rate = {r["batch"]: r["weights_per_s_per_core"] for r in rows}[4]
+    assert ("native drafter" in p["bitsplit"]["draft_rate_source"]) == (rows is prof["native_draft"])
     t_draft = max(base / stream, p["n_params"] / (p["cores"] * d_rate))
     assert bs["draft_rows"] == 4 and bs["draft_rate_per_core"] == pytest.approx(d_rate, rel=1e-12)
     assert bs["draft_pass_s"] == round(t_draft, 4)
     assert bs["tokens_per_second"] == round(3.0 / (4.0 * t_draft + t_verify), 2)
     assert p["gpu"] == "none" and p["projection"] is True and "no GPU" in p["text"]
+
+
+def test_cpu_plan_times_the_splits_own_products(capsys, cache, monkeypatch, exact_split):
+    """--gpu none on a split directory: a drafter and a verify pass's products timed on the split's
+    own tensors (every weight with a residual and the output head; the embedding is a lookup), the
+    drafter's by the native drafter where it takes the rows, and the projection built from them,
+    scaled from the threads measured to the cores planned."""
+    from bitsplit_llama.formats.gguf_file import GGUFFile
+    from bitsplit_llama.native.residual import Residual
+    from bitsplit_llama.tools import machine
+    from bitsplit_llama.tools.plan import E_RAM, make_cpu_plan
+
+    prof, _ = doctor(capsys)
+    monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)
+    with Residual(exact_split) as r, GGUFFile(exact_split / "base.gguf") as b:
+        res = [t[0] for t in r.tensors() if t[0] != "token_embd.weight"]
+        exact = [n for n in r.exact_tensors() if n != "token_embd.weight"]
+        assert "output.weight" in exact
+        n_of = {t.name: t.n_elements for t in b.tensors}
+        x4 = {n: np.ones((4, r.tensors()[[t[0] for t in r.tensors()].index(n)][1][0]), np.float32) for n in res}
+        native4 = [n for n in res if r.draft_matmul(n, x4[n]) is not None]
+        base = sum(t.nbytes for t in b.tensors if t.name != "token_embd.weight")
+    with GGUFFile(exact_split / "residual.gguf") as rf:
+        res_bytes = sum(t.nbytes for t in rf.tensors if t.name != "token_embd.weight")
+    m1 = machine.measure_split(exact_split, draft_rows=1, verify_rows=5, threads=2, repeat=2, budget_s=0.2)
+    assert m1["draft_products"] == f"ggml on {len(res) + len(exact)}" and m1["draft_native_s"] == 0
+    assert m1["weights_with_residual"] == sum(n_of[n] for n in res)
+    assert m1["weights_without"] == sum(n_of[n] for n in exact)
+    for k in ("draft_s", "draft_ggml_s", "verify_s", "memory_bandwidth_gb_s"):
+        assert positive(m1[k]), (k, m1)
+    m4 = machine.measure_split(exact_split, draft_rows=4, verify_rows=17, threads=2, repeat=2, budget_s=0.2)
+    assert ("native drafter" in m4["draft_products"]) == bool(native4)
+    assert m4["draft_s"] == pytest.approx(m4["draft_native_s"] + m4["draft_ggml_s"], abs=2e-6)
+
+    for cores in (2, 4):
+        p = make_cpu_plan(str(exact_split), tokens_per_verify=3.0, rounds=4.0, verify_rows=17, cores=cores)
+        bs, mp = p["bitsplit"], p["bitsplit"]["measured_products"]
+        assert mp["draft_rows"] == 4 and mp["verify_rows"] == 17 and mp["threads"] == machine._threads(None)
+        # the bandwidth measured with the products (the same moment), not the profile's
+        assert p["ram_bandwidth_gb_s"] == round(mp["memory_bandwidth_gb_s"], 1) and "now" in p["ram_bandwidth_source"]
+        stream = mp["memory_bandwidth_gb_s"] * 1e9 * E_RAM
+        t_draft = max(base / stream, mp["draft_s"] * mp["threads"] / cores)
+        t_verify = max((base + res_bytes) / stream, mp["verify_s"] * mp["threads"] / cores)
+        assert bs["draft_pass_s"] == round(t_draft, 4) and bs["verify_pass_s"] == round(t_verify, 4)
+        assert bs["tokens_per_second"] == round(3.0 / (4.0 * t_draft + t_verify), 2)
+        assert "measured now on this split's tensors" in bs["draft_rate_source"] and "measured now" in p["text"]
 
 
 def test_rate_between_and_past_the_measured_batches():

@@ -33,15 +33,19 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-PROFILE_VERSION = 2  # 2: ggml_base (the drafter's rate)
+PROFILE_VERSION = 3  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft
 #: batch sizes measured for every family
 BATCHES = (1, 4, 16, 64)
 #: batch sizes the policy is asked about
 POLICY_BATCHES = (1, 2, 4, 5, 8, 16, 32, 64)
 #: batch sizes of the verifier pass (W2 + R) measured with the policy's family
-WITH_BASE_BATCHES = (1, 16)
+WITH_BASE_BATCHES = (1, 2, 4, 16)
 #: batch sizes of the stock ggml reference
 GGML_BATCHES = (1, 16)
+#: batch sizes of ggml on the base (a drafter pass: a chain drafts 1 row, a tree a few per round)
+GGML_BASE_BATCHES = (1, 2, 4, 16)
+#: batch sizes of the native drafter (those it takes: from the draft family's smallest)
+DRAFT_BATCHES = (2, 4, 16)
 #: a family pinned with Residual.set_kernel serves passes up to this many columns (BS_DECODE_COLS in
 #: native/bs_internal.h); larger passes are measured on a context loaded with BITSPLIT_KERNEL set
 PIN_MAX_COLS = 32
@@ -394,6 +398,49 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
     return residual, with_base
 
 
+def measure_native_draft(split: Path, size: Size, threads: int, bandwidth: float,
+                         log: Optional[Log] = None) -> list[dict]:
+    """W2 . x as the fast drafter computes it (residual off, the draft family, 8-bit activations), a
+    pass over every tensor of the split's base, at each of DRAFT_BATCHES the family takes; [] where
+    the drafter has no family here (ggml's kernels draft: ``ggml_base``)."""
+    from ..native import policy
+    from ..native.residual import Residual
+
+    fam = policy.draft_kernel()
+    if not fam:
+        return []
+    rng = np.random.default_rng(3)
+    rows: list[dict] = []
+    with Residual(split) as r:
+        r.set_threads(threads)
+        names = [t[0] for t in r.tensors()]
+        for b in DRAFT_BATCHES:
+            x = rng.standard_normal((b, size.ne0), dtype=np.float32)
+            if any(r.draft_matmul(n, x) is None for n in names):
+                continue  # below the family's smallest batch: ggml drafts these
+
+            def one_pass() -> None:
+                for n in names:
+                    r.draft_matmul(n, x)
+
+            t, n = _timed(one_pass, size, warm_up=False)  # the check above was the warm-up
+            nbytes = sum(_base_row_bytes(split, size))
+            row = _row(fam, b, t, nbytes, size.weights, threads, bandwidth, passes=n)
+            rows.append(row)
+            _say(log, f"  W2.x draft {fam:>11} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
+    return rows
+
+
+@functools.lru_cache(maxsize=8)
+def _base_row_bytes(split: Path, size: Size) -> tuple[int, ...]:
+    """Bytes of each base tensor of the synthetic split (what a drafter pass reads)."""
+    from ..formats.gguf_file import GGUFFile
+    from ..formats.split import BASE_NAME
+
+    with GGUFFile(split / BASE_NAME, role="base") as g:
+        return tuple(t.nbytes for t in g.tensors if len(t.shape) == 2 and t.shape[0] == size.ne0)
+
+
 def _loaded_lib(stem: str) -> Path:
     """The file of llama-cpp-python's ``stem`` (libggml, libggml-cpu) mapped in this process."""
     from ..formats._ggml import llama_cpp_lib_dir
@@ -450,66 +497,176 @@ def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
 
 
 def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: Optional[Log] = None,
-                 which: str = "residual") -> list[dict]:
+                 which: str = "residual", batches: tuple[int, ...] = GGML_BATCHES) -> list[dict]:
     """Stock ggml's CPU kernels (ggml_mul_mat, ggml_graph_plan, ggml_graph_compute) on the residual's own
     Q6_K bytes (``which="base"``: the base's Q2_K bytes, what a drafter pass reads): one graph of one
     product per tensor, the same pass as :func:`measure_residual`'s."""
     from ..formats.gguf_file import GGUFFile
     from ..formats.split import BASE_NAME, RESIDUAL_NAME
 
-    base, cpu = _ggml_libs()
-    cpu.ggml_cpu_init()
     fname, wtype, label = (BASE_NAME, "q2_k", "Q2_K base") if which == "base" else (RESIDUAL_NAME, "q6_k", "Q6_K")
     with GGUFFile(split / fname, role=which) as g:
         # the synthetic weights (the base file holds nothing else, but only these are the measured pass)
         infos = [t for t in g.tensors if len(t.shape) == 2 and t.shape[0] == size.ne0]
         total = sum(t.nbytes for t in infos)
-        wctx = base.ggml_init(_InitParams(total + len(infos) * (base.ggml_tensor_overhead() + 4096) + 2**20, None, False))
-        if not wctx:
-            raise MemoryError("ggml_init failed for the weights")
+        make = _ggml_pass(infos, g, threads)
         try:
-            ws = []
-            for t in infos:
-                w = base.ggml_new_tensor_2d(wctx, t.ggml_type, t.shape[0], t.shape[1])
-                if base.ggml_nbytes(w) != t.nbytes:
-                    raise ValueError(f"ggml sizes '{t.name}' at {base.ggml_nbytes(w)} bytes, the file at {t.nbytes}")
-                raw = g.read_rows(t, 0, t.n_rows)
-                ctypes.memmove(base.ggml_get_data(w), raw.ctypes.data, t.nbytes)
-                del raw
-                ws.append(w)
             rows = []
-            for b in GGML_BATCHES:
-                mem = (b * size.ne0 * 4 + len(ws) * b * size.ne1 * 4 + (len(ws) + 2) * base.ggml_tensor_overhead()
-                       + base.ggml_graph_overhead() + 2**20)
-                cctx = base.ggml_init(_InitParams(mem, None, False))
-                if not cctx:
-                    raise MemoryError("ggml_init failed for the products")
-                try:
-                    x = base.ggml_new_tensor_2d(cctx, 0, size.ne0, b)  # GGML_TYPE_F32
-                    xv = np.random.default_rng(2).standard_normal((b, size.ne0), dtype=np.float32)
-                    ctypes.memmove(base.ggml_get_data(x), xv.ctypes.data, xv.nbytes)
-                    gf = base.ggml_new_graph(cctx)
-                    for w in ws:
-                        base.ggml_build_forward_expand(gf, base.ggml_mul_mat(cctx, w, x))
-
-                    plan = cpu.ggml_graph_plan(gf, threads, None)
-                    work = np.empty(max(int(plan.work_size), 1) + 64, dtype=np.uint8)  # ggml's own size
-                    plan.work_data = (work.ctypes.data + 63) & ~63
-
-                    def one_pass() -> None:
-                        st = cpu.ggml_graph_compute(gf, ctypes.byref(plan))
-                        if st != 0:
-                            raise RuntimeError(f"ggml_graph_compute returned status {st}")
-
-                    t, n = _timed(one_pass, size)
-                finally:
-                    base.ggml_free(cctx)
+            for b in batches:
+                t, n = _timed(make(b), size)
                 row = _row("ggml", b, t, total, size.weights, threads, bandwidth, type=wtype, passes=n)
                 rows.append(row)
                 _say(log, f"  ggml {label:<17} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
             return rows
         finally:
+            make.free()
+
+
+def _ggml_pass(infos: list, g, threads: int) -> Callable[[int], Callable[[], None]]:
+    """ggml's own products (ggml_mul_mat on the CPU, standard layout: what llama.cpp computes for a
+    split's drafter) over ``infos``, tensors of the open GGUF ``g``, copied into one ggml context;
+    returns make(rows) -> one_pass (a graph of one product per tensor). The caller keeps the
+    returned function (it owns the weights) while timing, and drops it after."""
+    base, cpu = _ggml_libs()
+    cpu.ggml_cpu_init()
+    total = sum(t.nbytes for t in infos)
+    wctx = base.ggml_init(_InitParams(total + len(infos) * (base.ggml_tensor_overhead() + 4096) + 2**20, None, False))
+    if not wctx:
+        raise MemoryError("ggml_init failed for the weights")
+    ws = []
+    for t in infos:
+        w = base.ggml_new_tensor_2d(wctx, t.ggml_type, t.shape[0], t.shape[1])
+        if base.ggml_nbytes(w) != t.nbytes:
             base.ggml_free(wctx)
+            raise ValueError(f"ggml sizes '{t.name}' at {base.ggml_nbytes(w)} bytes, the file at {t.nbytes}")
+        raw = g.read_rows(t, 0, t.n_rows)
+        ctypes.memmove(base.ggml_get_data(w), raw.ctypes.data, t.nbytes)
+        del raw
+        ws.append((t, w))
+    keep: list = []
+
+    def make(rows: int) -> Callable[[], None]:
+        mem = (sum(rows * (t.shape[0] + t.shape[1]) * 4 for t, _ in ws) + (3 * len(ws) + 2) * base.ggml_tensor_overhead()
+               + base.ggml_graph_overhead() + 2**22)
+        cctx = base.ggml_init(_InitParams(mem, None, False))
+        if not cctx:
+            raise MemoryError("ggml_init failed for the products")
+        keep.append(cctx)
+        rng = np.random.default_rng(4)
+        gf = base.ggml_new_graph(cctx)
+        for t, w in ws:
+            x = base.ggml_new_tensor_2d(cctx, 0, t.shape[0], rows)  # GGML_TYPE_F32
+            xv = rng.standard_normal((rows, t.shape[0]), dtype=np.float32)
+            ctypes.memmove(base.ggml_get_data(x), xv.ctypes.data, xv.nbytes)
+            base.ggml_build_forward_expand(gf, base.ggml_mul_mat(cctx, w, x))
+        plan = cpu.ggml_graph_plan(gf, threads, None)
+        work = np.empty(max(int(plan.work_size), 1) + 64, dtype=np.uint8)  # ggml's own size
+        plan.work_data = (work.ctypes.data + 63) & ~63
+
+        def one_pass() -> None:
+            _ = work  # the work buffer lives as long as the pass
+            st = cpu.ggml_graph_compute(gf, ctypes.byref(plan))
+            if st != 0:
+                raise RuntimeError(f"ggml_graph_compute returned status {st}")
+        return one_pass
+
+    def free() -> None:
+        for c in keep:
+            base.ggml_free(c)
+        keep.clear()
+        base.ggml_free(wctx)
+
+    make.free = free  # type: ignore[attr-defined]
+    return make
+
+
+def measure_split(model_dir: Path, *, draft_rows: int, verify_rows: int, threads: Optional[int] = None,
+                  repeat: int = 5, budget_s: float = 4.0, log: Optional[Log] = None) -> dict:
+    """The weight products of one drafter pass and one verify pass of a CPU-only run, timed on this
+    split's own tensors (their shapes and types: a row of 1,536 weights runs ggml's Q2_K kernel at
+    about 0.6x the rate of the profile's 4,096, measured on a 2-core Zen 5), each pass as the engine
+    computes it:
+
+    - drafter, ``draft_rows`` columns: the native drafter (residual off) for each weight with a
+      residual it takes at that many columns, ggml's kernel for the others and for the matrices
+      without residual (the output head, whole layers);
+    - verifier, ``verify_rows`` columns: (W2 + R) . x by the library for every weight with a
+      residual and, the verifier being batch-invariant, W2 . x for the matrices without.
+
+    The token embedding is a row lookup, not a product, unless the model has no output head (then
+    it is the output head). Medians of up to ``repeat`` passes after one warm-up. The memory
+    bandwidth is measured in the same run (``memory_bandwidth_gb_s``), so that a shared machine's
+    load at the time weighs on both alike."""
+    from ..formats.gguf_file import GGUFFile
+    from ..formats.modeldir import split_paths
+    from ..native.residual import Residual
+
+    import llama_cpp  # noqa: F401  (loads libggml*: the one ggml of the process)
+
+    from .bench import memory_bandwidth
+
+    threads = _threads(threads)
+    size = Size("split", 0, 0, 0, repeat, budget_s, 0.0)
+    bw = statistics.median(memory_bandwidth(threads, 1.0, 1) for _ in range(5))  # a burst is not the rate
+    base_p, _ = split_paths(model_dir)
+    rng = np.random.default_rng(5)
+    with Residual(model_dir) as r, GGUFFile(base_p, role="base") as g:
+        r.set_threads(threads)
+        has_output = any(t.name == "output.weight" for t in g.tensors)
+
+        def product(n: str) -> bool:  # the embedding is looked up, not multiplied, beside an output head
+            return not (has_output and n == "token_embd.weight")
+
+        res = {t[0]: t[1] for t in r.tensors() if t[1][2] == 1 and t[1][3] == 1 and product(t[0])}
+        exact = [n for n in r.exact_tensors() if product(n)]
+        shapes = {t.name: t for t in g.tensors}
+        xs: dict[tuple[int, int], np.ndarray] = {}
+
+        def x_for(ne0: int, rows: int) -> np.ndarray:
+            if (ne0, rows) not in xs:
+                xs[(ne0, rows)] = rng.standard_normal((rows, ne0), dtype=np.float32)
+            return xs[(ne0, rows)]
+
+        # the verify pass
+        def verify() -> None:
+            for n in list(res) + exact:
+                r.matmul(n, x_for(shapes[n].shape[0], verify_rows), with_base=True)
+
+        verify()
+        t_verify, n_verify = _timed(verify, size, warm_up=False)
+        # the drafter pass: which products the native drafter takes at this many rows
+        native = [n for n in res if r.draft_matmul(n, x_for(res[n][0], draft_rows)) is not None]
+        ggml_names = [n for n in res if n not in native] + exact
+
+        def draft_native() -> None:
+            for n in native:
+                r.draft_matmul(n, x_for(res[n][0], draft_rows))
+
+        t_native, _ = _timed(draft_native, size) if native else (0.0, 0)
+        make = _ggml_pass([shapes[n] for n in ggml_names], g, threads)
+        try:
+            t_ggml, _ = _timed(make(draft_rows), size)
+        finally:
+            make.free()
+        w_res = sum(shapes[n].n_elements for n in res)
+        w_exact = sum(shapes[n].n_elements for n in exact)
+    draft_kernel = ", ".join(filter(None, [f"native drafter ({_draft_family()}) on {len(native)} products"
+                                           if native else "", f"ggml on {len(ggml_names)}"]))
+    out = {"threads": threads, "draft_rows": draft_rows, "verify_rows": verify_rows,
+           "memory_bandwidth_gb_s": round(bw / 1e9, 3),
+           "draft_s": round(t_native + t_ggml, 6), "draft_native_s": round(t_native, 6), "draft_ggml_s": round(t_ggml, 6),
+           "draft_products": draft_kernel, "verify_s": round(t_verify, 6), "verify_passes": n_verify,
+           "weights_with_residual": w_res, "weights_without": w_exact}
+    _say(log, f"  this split's products, {threads} threads: drafter pass ({draft_rows} rows; {draft_kernel}) "
+              f"{1000 * out['draft_s']:.1f} ms, verify pass ({verify_rows} rows) {1000 * t_verify:.1f} ms; memory "
+              f"bandwidth {bw / 1e9:.1f} GB/s")
+    return out
+
+
+def _draft_family() -> str:
+    from ..native import policy
+
+    return policy.draft_kernel() or "none"
 
 
 def devices() -> list[dict]:
@@ -565,10 +722,15 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         ggml = []
         _say(log, f"  ggml reference not measured: {type(exc).__name__}: {exc}")
     try:  # the drafter's rate: llama.cpp's kernels on the base's bytes (plan --gpu none)
-        ggml_base = measure_ggml(split, size, threads, bw, log, which="base")
+        ggml_base = measure_ggml(split, size, threads, bw, log, which="base", batches=GGML_BASE_BATCHES)
     except Exception as exc:
         ggml_base = []
         _say(log, f"  ggml on the base not measured: {type(exc).__name__}: {exc}")
+    try:  # the native drafter's rate (CPU-only runs draft with it from its smallest batch)
+        native_draft = measure_native_draft(split, size, threads, bw, log)
+    except Exception as exc:
+        native_draft = []
+        _say(log, f"  native drafter not measured: {type(exc).__name__}: {exc}")
     try:
         devs = devices()
     except Exception as exc:
@@ -597,6 +759,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "with_base": with_base,
         "ggml_reference": ggml,
         "ggml_base": ggml_base,
+        "native_draft": native_draft,
         "devices": devs,
         "seconds": round(time.perf_counter() - t_start, 2),
     }

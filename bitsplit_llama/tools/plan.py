@@ -140,8 +140,28 @@ def _residual_rate_per_core(profile: dict | None, batch: int, why: str = "") -> 
     return rate, f"measured here: {src}"
 
 
+LOOKUP = "token_embd.weight"
+
+
+def _lookup_weights(model: str) -> float:
+    """Weights of the token embedding where it is only looked up (a row per token: the model has an
+    output head of its own), which a pass does not read; 0 where it is also the output head."""
+    p = Path(model)
+    if p.is_file():
+        from ..formats.gguf_file import GGUFFile
+
+        with GGUFFile(p, role="model") as g:
+            names = {t.name: t for t in g.tensors}
+        return float(names[LOOKUP].n_elements) if LOOKUP in names and "output.weight" in names else 0.0
+    if model in PRESETS:  # the presets count an embedding and an output head
+        L, E, F, H, KV, V = PRESETS[model]
+        return float(V * E)
+    return 0.0
+
+
 def _split_bytes(model: str) -> tuple[str, float, float] | None:
-    """(base.gguf path, base tensor bytes, residual tensor bytes) of a split directory, else None."""
+    """(base.gguf path, base tensor bytes, residual tensor bytes) of a split directory, else None;
+    without the token embedding where it is only looked up (:func:`_lookup_weights`)."""
     p = Path(model)
     if not p.is_dir():
         return None
@@ -150,7 +170,9 @@ def _split_bytes(model: str) -> tuple[str, float, float] | None:
 
     base_p, res_p = split_paths(p)
     with GGUFFile(base_p, role="base") as b, GGUFFile(res_p, role="residual") as r:
-        return str(base_p), float(sum(t.nbytes for t in b.tensors)), float(sum(t.nbytes for t in r.tensors))
+        skip = LOOKUP if any(t.name == "output.weight" for t in b.tensors) else None
+        return (str(base_p), float(sum(t.nbytes for t in b.tensors if t.name != skip)),
+                float(sum(t.nbytes for t in r.tensors if t.name != skip)))
 
 
 def _with_base_rate_per_core(profile: dict | None, batch: int, why: str = "") -> tuple[float, str]:
@@ -166,11 +188,31 @@ def _with_base_rate_per_core(profile: dict | None, batch: int, why: str = "") ->
     return rate, f"measured here: machine profile, W2 + R ({fams}, {where}, {profile['threads']} threads)"
 
 
+def _draft_rate_per_core(profile: dict | None, rows: int) -> tuple[float | None, str]:
+    """Weights/s one core drafts at ``rows`` columns, from the machine profile: the native drafter's
+    rate where a CPU-only run drafts with it (its family measured at that many columns or fewer),
+    else llama.cpp's kernel on the Q2_K base; (None, why) where neither was measured."""
+    from .machine import rate_at
+
+    native = [r for r in (profile or {}).get("native_draft") or [] if r["batch"] <= rows]
+    if native:
+        rate, where = rate_at((profile or {})["native_draft"], rows)
+        return rate, (f"measured here: machine profile, native drafter {native[0]['family']} on Q2_K ({where}, "
+                      f"{profile['threads']} threads)")
+    d_rows = (profile or {}).get("ggml_base") or []
+    if d_rows:
+        rate, where = rate_at(d_rows, rows)
+        return rate, f"measured here: machine profile, ggml on Q2_K ({where}, {profile['threads']} threads)"
+    return None, "not measured (the base's bytes at the streaming rate)"
+
+
 def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None, residual: str = "q6_k",
                   tokens_per_verify: float | None = None, rounds: float | None = None, cores: int | None = None,
-                  verify_rows: int = 17, acceptance_source: str = "given", log=None) -> dict:
+                  verify_rows: int = 17, acceptance_source: str = "given", measure: bool = True, log=None) -> dict:
     """The cost model with no GPU: every pass streams its weights from RAM on this CPU (``--gpu
-    none``). A split directory gives the real base and residual bytes."""
+    none``). A split directory gives the real base and residual bytes and, with ``measure``, the
+    products of a drafter and a verify pass timed on its own tensors (:func:`.machine.measure_split`:
+    their shapes and types, which the machine profile's synthetic tensors do not have)."""
     if ram_bw is not None and not ram_bw > 0:
         raise InvalidOptionError(f"--ram-bandwidth: {ram_bw} must be a positive number")
     a_src = r_src = acceptance_source
@@ -180,11 +222,25 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
         raise InvalidOptionError(f"--residual: '{residual}' unknown (expected auto or one of: {', '.join(RESIDUAL_BPW)})")
     split = _split_bytes(str(model))
     name, (L, E, F, H, KV, V), n_params = _shape_from(split[0] if split else str(model))
+    # what a pass multiplies (and stock Q8_0 reads per token): not the embedding's rows looked up
+    n_params -= _lookup_weights(split[0] if split else str(model))
     if split:
         name = Path(model).name
     cores = cores or os.cpu_count() or 1
     profile, why = _machine(log)
-    ram_bw, ram_src = _ram_bandwidth(ram_bw, profile)
+    if rounds is None:
+        rounds, r_src = 5, "default"
+    # a drafter pass: the rows it drafts (the tree's nodes over its passes)
+    draft_rows = max(1, round((verify_rows - 1) / max(rounds, 1.0)))
+    measured = None
+    if split and measure:
+        from .machine import measure_split
+
+        measured = measure_split(Path(model), draft_rows=draft_rows, verify_rows=verify_rows, log=log)
+    if ram_bw is None and measured is not None:  # the same moment as the products (a shared machine's load)
+        ram_bw, ram_src = measured["memory_bandwidth_gb_s"], "measured now, with this split's products"
+    else:
+        ram_bw, ram_src = _ram_bandwidth(ram_bw, profile)
     GB = 1e9
     q8 = n_params * Q8_BPW / 8
     if split:
@@ -193,33 +249,33 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
         base, res, size_src = n_params * BASE_BPW / 8, n_params * RESIDUAL_BPW[residual] / 8, "bits per weight assumed"
     stream = ram_bw * GB * E_RAM
     t_q8 = q8 / stream
-    if rounds is None:
-        rounds, r_src = 5, "default"
-    # a drafter pass: the base's bytes, or llama.cpp's measured rate on Q2_K bytes if slower, at
-    # the rows a pass drafts (the tree's nodes over its passes)
-    draft_rows = max(1, round((verify_rows - 1) / max(rounds, 1.0)))
-    d_rows = (profile or {}).get("ggml_base") or []
-    if d_rows:
-        from .machine import rate_at
-
-        d_core, where = rate_at(d_rows, draft_rows)
-        d_src = f"measured here: machine profile, ggml on Q2_K ({where}, {profile['threads']} threads)"
-        t_draft = max(base / stream, n_params / (cores * d_core))
+    # a drafter pass: the base's bytes, or the drafter's products if slower; a verify pass likewise
+    if measured is not None:  # this split's own products, timed on its threads, scaled to the cores planned
+        scale = measured["threads"] / cores
+        t_draft = max(base / stream, measured["draft_s"] * scale)
+        d_core = n_params / (cores * measured["draft_s"] * scale)
+        d_src = (f"measured now on this split's tensors: {measured['draft_products']}, {1000 * measured['draft_s']:.1f} ms "
+                 f"on {measured['threads']} threads")
+        t_verify = max((base + res) / stream, measured["verify_s"] * scale)
+        w_core = n_params / (cores * measured["verify_s"] * scale)
+        w_src = f"measured now on this split's tensors: {1000 * measured['verify_s']:.1f} ms on {measured['threads']} threads"
     else:
-        d_core, d_src = None, "not measured (the base's bytes at the streaming rate)"
-        t_draft = base / stream
-    w_core, w_src = _with_base_rate_per_core(profile, verify_rows, why)
-    t_verify = max((base + res) / stream, n_params / (cores * w_core))
+        d_core, d_src = _draft_rate_per_core(profile, draft_rows)
+        t_draft = max(base / stream, n_params / (cores * d_core)) if d_core else base / stream
+        w_core, w_src = _with_base_rate_per_core(profile, verify_rows, why)
+        t_verify = max((base + res) / stream, n_params / (cores * w_core))
     if tokens_per_verify is None:
         tokens_per_verify, a_src = 4.0, "default (about what a 16-node tree reaches on code with a small model here)"
     tps = tokens_per_verify / (rounds * t_draft + t_verify)
     out = {
-        "model": name, "gpu": "none", "n_params": n_params, "ram_bandwidth_gb_s": round(ram_bw, 1),
+        "model": name, "gpu": "none", "n_params": n_params, "n_params_counts": "the weights a pass multiplies (not "
+        "an embedding only looked up)", "ram_bandwidth_gb_s": round(ram_bw, 1),
         "ram_bandwidth_source": ram_src, "e_ram": E_RAM, "cores": cores, "sizes_from": size_src,
         "q8_0": {"size_gb": round(q8 / GB, 2), "seconds_per_token": round(t_q8, 4), "tokens_per_second": round(1 / t_q8, 2)},
         "bitsplit": {"base_gb": round(base / GB, 2), "residual_ram_gb": round(res / GB, 2),
                      "draft_pass_s": round(t_draft, 4), "draft_rows": draft_rows, "draft_rate_per_core": d_core,
                      "draft_rate_source": d_src, "verify_pass_s": round(t_verify, 4), "rounds": rounds,
+                     "measured_products": measured,
                      "rounds_source": r_src, "tokens_per_verify": tokens_per_verify, "tokens_per_verify_source": a_src,
                      "verify_rate_per_core": w_core, "verify_rate_source": w_src, "verify_rows": verify_rows,
                      "tokens_per_second": round(tps, 2)},
@@ -227,7 +283,8 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
         "projection": True,
     }
     out["text"] = "\n".join([
-        f"PROJECTION (a cost model, not a measurement) for {name}, {n_params / 1e9:.2f} B parameters, no GPU:",
+        f"PROJECTION (a cost model, not a measurement) for {name}, {n_params / 1e9:.2f} B parameters multiplied per "
+        "token (the embedding is looked up), no GPU:",
         f"  RAM {ram_bw:.1f} GB/s ({ram_src}), a streaming pass reaching {E_RAM:g} of it, {cores} CPU cores",
         f"  stock Q8_0: {q8 / GB:.2f} GB per token -> {1 / t_q8:.2f} tokens/s",
         f"  bitsplit: base {base / GB:.2f} GB + residual {res / GB:.2f} GB ({size_src}); draft pass {1000 * t_draft:.1f} ms "
