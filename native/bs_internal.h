@@ -121,6 +121,44 @@ const bs_kernel_family * bs_draft_policy(const bs_job * job);
 const bs_kernel_family * bs_generic_family(void);
 void * bs_scratch_get(bs_scratch * s, size_t size);
 void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k);
+
+/* IQ2_XXS / IQ2_XS (iq2.c): the grids (8 magnitudes per entry, a byte each) and the 128 sign bytes,
+ * read from ggml's own dequantizer once; NULL where that fails (these types then stay with ggml's
+ * dequantizer). A SIMD decoder is used only once bs_iq2_decoder_agrees(decoder): bit for bit
+ * ggml's to_float on blocks of pseudo-random codes of both types (decode: one block of 256). */
+#define BS_IQ2XXS_BYTES 66 /* fp16 d, 32 x uint16 codes */
+#define BS_IQ2XS_BYTES 74  /* fp16 d, 32 x uint16 codes, 8 bytes of scales */
+typedef struct {
+    uint64_t xxs_grid[256], xs_grid[512];
+    uint8_t signs[128];
+} bs_iq2_tables;
+const bs_iq2_tables * bs_iq2_get_tables(void);
+/* group ib (values 32 ib .. 32 ib + 31) of an IQ2_XXS / IQ2_XS block b: its 4 grid entries (8
+ * magnitudes each) in g, their 32 sign bits (bit i: value i negative) in *sg, and the 4-bit scale
+ * of each half in *s0 (values 0-15) and *s1 (16-31) */
+static inline void bs_iq2_group(const bs_iq2_tables * t, bool xs, const uint8_t * b, int ib, uint64_t g[4],
+                                uint32_t * sg, uint32_t * s0, uint32_t * s1) {
+    *sg = 0;
+    if (xs) {
+        uint16_t q[4];
+        memcpy(q, b + 2 + 8 * ib, 8);
+        for (int l = 0; l < 4; l++) {
+            g[l] = t->xs_grid[q[l] & 511];
+            *sg |= (uint32_t)t->signs[q[l] >> 9] << (8 * l);
+        }
+        *s0 = b[66 + ib] & 0xfu;
+        *s1 = (uint32_t)b[66 + ib] >> 4;
+    } else {
+        uint32_t aux[2];
+        memcpy(aux, b + 2 + 8 * ib, 8);
+        for (int l = 0; l < 4; l++) {
+            g[l] = t->xxs_grid[(aux[0] >> (8 * l)) & 255];
+            *sg |= (uint32_t)t->signs[(aux[1] >> (7 * l)) & 127] << (8 * l);
+        }
+        *s0 = *s1 = aux[1] >> 28;
+    }
+}
+bool bs_iq2_decoder_agrees(void (*decode)(bool xs, const uint8_t * block, float * out));
 bool bs_type_readable(enum ggml_type type);
 uint64_t bs_now_ns(void);
 

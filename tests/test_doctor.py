@@ -271,6 +271,24 @@ def test_cpu_plan_times_the_splits_own_products(capsys, cache, monkeypatch, exac
         assert "measured now on this split's tensors" in bs["draft_rate_source"] and "measured now" in p["text"]
 
 
+def test_the_embedding_lookup_is_not_read_per_token(tmp_path, tiny_f32):
+    """A pass reads the output head, not the token embedding beside it (one row is looked up); a
+    model whose embedding is also its output head (tied) reads it whole."""
+    from bitsplit_llama.formats.gguf_file import GGUFFile
+    from bitsplit_llama.tools.plan import PRESETS, _lookup_weights
+    from synth import tiny_llama_weights, write_llama_gguf
+
+    with GGUFFile(tiny_f32) as g:
+        emb = next(t.n_elements for t in g.tensors if t.name == "token_embd.weight")
+    assert _lookup_weights(str(tiny_f32)) == emb
+    w = tiny_llama_weights(3)
+    del w["output.weight"]
+    tied = write_llama_gguf(tmp_path / "tied.gguf", w)
+    assert _lookup_weights(str(tied)) == 0.0
+    L, E, F, H, KV, V = PRESETS["qwen2.5-32b"]
+    assert _lookup_weights("qwen2.5-32b") == V * E
+
+
 def test_rate_between_and_past_the_measured_batches():
     """The time per weight is interpolated linearly in the batch between measured batches and
     extrapolated past the largest (never falling): a 257-row pass is not given batch 64's rate."""

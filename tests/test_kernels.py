@@ -185,13 +185,34 @@ def test_family_against_reference_iq_bases(iq_splits, fam):
         with GGUFFile(split / "base.gguf") as b:
             types = {b.tensor(n).ggml_type for n in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight")}
         assert {"iq2_xxs": 16, "iq2_xs": 17}[base] in types, (base, types)
-        # no family with exact weights decodes IQ types: a pinned one that cannot hands them to the policy's
+        # a pinned family that cannot decode IQ types hands them to the policy's
         _check_family(split, fam, ("blk.0.ffn_down.weight", "blk.1.attn_q.weight"), n_cols=(1, 2, 3, 16, 17),
                       fallback=set(HERE))
-        if fam in ("avx512-bf16", "amx-bf16"):
-            with Residual(split) as res:
+        if fam in IQ2_DECODERS:  # these decode the IQ2 blocks themselves, with SIMD
+            with Residual(split) as res, GGUFFile(split / "base.gguf") as b:
                 res.set_kernel(fam)
-                assert res.family_of("blk.0.ffn_down.weight", 17) == fam
+                for n in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight"):
+                    if b.tensor(n).ggml_type in (16, 17):
+                        assert res.family_of(n, 17) == fam and res.family_of(n, 1) == fam, (fam, n)
+
+
+#: the families with their own IQ2_XXS / IQ2_XS decoder (checked against ggml's at first use)
+IQ2_DECODERS = ("avx512-bf16", "amx-bf16", "avx2-f32")
+
+
+def test_iq2_bases_never_reach_the_scalar_family(iq_splits):
+    """No product on a CPU with SIMD falls to the portable family: on an IQ2_XXS / IQ2_XS base the
+    policy picks a family that decodes it, at every batch size (AVX2-only CPUs: avx2-f32; the CI
+    runs this under each ISA cap)."""
+    if not any(f in HERE for f in IQ2_DECODERS):
+        pytest.skip(f"no family here decodes IQ2 (families: {', '.join(HERE)}): generic is all there is")
+    for base, split in iq_splits.items():
+        with Residual(split) as res, GGUFFile(split / "base.gguf") as b:
+            names = [n for n in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight") if b.tensor(n).ggml_type in (16, 17)]
+            assert names, base
+            for n in names:
+                for cols in (1, 2, 4, 16, 17, 64):
+                    assert res.family_of(n, cols) != "generic", (base, n, cols)
 
 
 @pytest.mark.parametrize("fam", ["avx512-bf16", "amx-bf16"])

@@ -3,14 +3,20 @@
  * avx2-int16): a unit of weights (256 values, or 32 for the block-32 types when the row width is
  * not a multiple of 256) is prepared once (its sub-block scales), then read as groups of 32 values:
  * 32 unsigned byte codes u with W = D u + O, D and O per sub-block of 16 (values 0-15: D0/O0,
- * 16-31: D1/O1; the same for types with sub-blocks of 32).
+ * 16-31: D1/O1; the same for types with sub-blocks of 32). IQ2_XXS / IQ2_XS (a family that takes
+ * them defines AVX2_WITH_IQ2 and sets avx2_iq2 to iq2.c's tables after checking its decoder): the
+ * signed grid value v as u = 128 + v, D = d (0.5 + s) / 4 and O = -128 D, so that D u + O, one
+ * fused multiply-add, is ggml's d (0.5 + s) / 4 * v exactly.
  *
  * Internal to native/arch/x86; include after the TGT/INL macros are defined.
  */
 #ifndef BS_AVX2_QUANTS_H
 #define BS_AVX2_QUANTS_H
 
-enum { T_NONE, T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_Q8_0, T_Q4_0, T_Q4_1, T_COUNT };
+enum { T_NONE, T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_Q8_0, T_Q4_0, T_Q4_1, T_IQ2_XXS, T_IQ2_XS, T_COUNT };
+
+/* iq2.c's tables, for the family that takes IQ2 bases (NULL elsewhere: those never decode them) */
+static const bs_iq2_tables * avx2_iq2;
 
 static int tcode(const uint8_t * data, enum ggml_type t) {
     if (data == NULL) return T_NONE;
@@ -23,13 +29,15 @@ static int tcode(const uint8_t * data, enum ggml_type t) {
         case GGML_TYPE_Q8_0: return T_Q8_0;
         case GGML_TYPE_Q4_0: return T_Q4_0;
         case GGML_TYPE_Q4_1: return T_Q4_1;
+        case GGML_TYPE_IQ2_XXS: return T_IQ2_XXS;
+        case GGML_TYPE_IQ2_XS: return T_IQ2_XS;
         default: return -1;
     }
 }
 
 /* elements per block and bytes per block of each code */
-static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32};
-static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20};
+static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32, 256, 256};
+static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20, BS_IQ2XXS_BYTES, BS_IQ2XS_BYTES};
 
 typedef struct {
     const uint8_t * p;  /* the unit's first byte */
@@ -96,6 +104,21 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
         case T_Q6_K:
             scales16(_mm_loadu_si128((const __m128i *)(b + 192)), h2f(b + 208), -32.0f, s->D, s->O);
             break;
+        case T_IQ2_XXS:
+        case T_IQ2_XS: { /* ggml's d * (0.5f + s) * 0.25f per 32 (XXS: top 4 bits of the second word) or 16 values */
+            const float d = h2f(b);
+            for (int ib = 0; ib < 8; ib++) {
+                uint32_t a1 = 0;
+                if (t == T_IQ2_XXS) memcpy(&a1, b + 2 + 8 * ib + 4, 4);
+                const uint32_t s0 = t == T_IQ2_XXS ? a1 >> 28 : (uint32_t)(b[66 + ib] & 0xf);
+                const uint32_t s1 = t == T_IQ2_XXS ? a1 >> 28 : (uint32_t)(b[66 + ib] >> 4);
+                s->D[2 * ib] = d * (0.5f + (float)s0) * 0.25f;
+                s->D[2 * ib + 1] = d * (0.5f + (float)s1) * 0.25f;
+                s->O[2 * ib] = -128.0f * s->D[2 * ib];
+                s->O[2 * ib + 1] = -128.0f * s->D[2 * ib + 1];
+            }
+            break;
+        }
         default:
             break; /* block-32 types read their scale per group */
     }
@@ -146,6 +169,21 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
         }
         case T_Q8_0: /* W = d q = d (u - 128), u = q + 128 */
             return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 34 * g + 2)), _mm256_set1_epi8((char)0x80));
+        case T_IQ2_XXS:
+        case T_IQ2_XS: { /* 4 grid entries of 8 magnitudes, each with 8 sign bits: u = 128 +- magnitude */
+            uint64_t gq[4];
+            uint32_t sg, s0, s1;
+            bs_iq2_group(avx2_iq2, t == T_IQ2_XS, b, g, gq, &sg, &s0, &s1);
+            const __m256i mag = _mm256_setr_epi64x((long long)gq[0], (long long)gq[1], (long long)gq[2], (long long)gq[3]);
+            /* byte i of the group takes sign bit i % 8 of sign byte i / 8 (vpshufb works per 128-bit lane) */
+            const __m256i sb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)sg),
+                                                   _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+            const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+            const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(sb, bits), bits);
+            const __m256i v = _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg); /* -magnitude where negative */
+            return _mm256_add_epi8(v, _mm256_set1_epi8((char)0x80));
+        }
         case T_Q4_0:
         case T_Q4_1: { /* Q4_0: W = d (q - 8); Q4_1: W = d q + m; low nibbles are values 0..15 */
             const __m128i q = _mm_loadu_si128((const __m128i *)(b + (t == T_Q4_1 ? 20 : 18) * g + (t == T_Q4_1 ? 4 : 2)));
@@ -161,7 +199,7 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
 INL __m256i gcodes(int t, const ustate * s, int g, float * D0, float * O0, float * D1, float * O1) {
     const uint8_t * b = s->p;
     switch (t) {
-        case T_Q2_K: case T_Q3_K: case T_Q6_K: {
+        case T_Q2_K: case T_Q3_K: case T_Q6_K: case T_IQ2_XXS: case T_IQ2_XS: {
             const int k = 2 * g; /* sub-blocks of 16 */
             *D0 = s->D[k], *O0 = s->O[k], *D1 = s->D[k + 1], *O1 = s->O[k + 1];
             break;
@@ -286,15 +324,23 @@ typedef void (*avx2_rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
 #define AVX2_ROW(B)                                                                                              \
     {NULL, rows_##B##_T_NONE, rows_##B##_T_Q6_K, rows_##B##_T_Q8_0, AVX2_EXACT(B), rows_##B##_T_Q4_K,            \
      rows_##B##_T_Q5_K}
+/* the IQ2 bases' bodies and table rows where the family takes them (else their rows stay NULL) */
+#ifdef AVX2_WITH_IQ2
+#define AVX2_IQ2_BODIES AVX2_BODIES(T_IQ2_XXS) AVX2_BODIES(T_IQ2_XS)
+#define AVX2_IQ2_ROWS , [T_IQ2_XXS] = AVX2_ROW(T_IQ2_XXS), [T_IQ2_XS] = AVX2_ROW(T_IQ2_XS)
+#else
+#define AVX2_IQ2_BODIES
+#define AVX2_IQ2_ROWS
+#endif
 #define AVX2_ROW_BODIES                                                                                          \
     AVX2_BODIES(T_Q2_K) AVX2_BODIES(T_Q3_K) AVX2_BODIES(T_Q4_K) AVX2_BODIES(T_Q5_K) AVX2_BODIES(T_Q6_K)          \
-    AVX2_BODIES(T_Q8_0) AVX2_BODIES(T_Q4_0) AVX2_BODIES(T_Q4_1) AVX2_RES_BODIES(T_NONE)                          \
+    AVX2_BODIES(T_Q8_0) AVX2_BODIES(T_Q4_0) AVX2_BODIES(T_Q4_1) AVX2_RES_BODIES(T_NONE) AVX2_IQ2_BODIES           \
     /* [base code][0: unused, 1: no residual (drafter), 2: Q6_K residual, 3: Q8_0 residual,                     \
      *  4: no residual, verifier's precision, 5: Q4_K residual, 6: Q5_K residual] */                            \
     static const avx2_rows_fn BODY_TABLE[T_COUNT][7] = {                                                        \
         {NULL, NULL, rows_T_NONE_T_Q6_K, rows_T_NONE_T_Q8_0, NULL, rows_T_NONE_T_Q4_K, rows_T_NONE_T_Q5_K},     \
         AVX2_ROW(T_Q2_K), AVX2_ROW(T_Q3_K), AVX2_ROW(T_Q4_K), AVX2_ROW(T_Q5_K), AVX2_ROW(T_Q6_K),               \
-        AVX2_ROW(T_Q8_0), AVX2_ROW(T_Q4_0), AVX2_ROW(T_Q4_1),                                                   \
+        AVX2_ROW(T_Q8_0), AVX2_ROW(T_Q4_0), AVX2_ROW(T_Q4_1) AVX2_IQ2_ROWS                                      \
     };                                                                                                          \
     static avx2_rows_fn rows_for(const bs_job * job) {                                                          \
         const int bt = tcode(job->w2, job->w2_type), rt = tcode(job->r, job->r_type);                          \

@@ -13,7 +13,9 @@
  * that stays in L1/L2; the buffer is then applied to every column (two columns per step, 4x2
  * accumulators in registers). Each weight block is read from memory once per product, whatever the
  * batch. Unpackers: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (superblocks of 256), Q8_0, Q4_0, Q4_1 (blocks
- * of 32): every type llama.cpp's Q2_K mix puts in a base and every quantized residual type.
+ * of 32): every type llama.cpp's Q2_K mix puts in a base and every quantized residual type; and
+ * the IQ2_XXS / IQ2_XS bases (split --base iq2_xxs|iq2_s), once this decoder agrees with ggml's bit
+ * for bit (iq2.c); IQ3_S and IQ1_M still go through ggml's dequantizer (the generic family).
  */
 #if defined(__x86_64__)
 
@@ -21,6 +23,8 @@
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <pthread.h>
 
 #include "bitsplit.h"
 #include "bs_internal.h"
@@ -34,7 +38,6 @@
  * falsely alias stores to another (4K aliasing) */
 #define WS (KC + 16)
 
-static bool avx2_supports(const bs_job * job) { return bs_f32_family_supports(job); }
 
 static size_t avx2_acts_size(const bs_job * job) {
     (void)job;
@@ -55,6 +58,7 @@ static void avx2_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
  * ------------------------------------------------------------------------------------------- */
 
 #define AVX2_SAME_BASE_BODIES /* f32 arithmetic: no coarse variant */
+#define AVX2_WITH_IQ2         /* this family decodes IQ2_XXS / IQ2_XS bases */
 #include "avx2_quants.h"
 
 /* group g as four f32 vectors, W = D u + O */
@@ -83,6 +87,40 @@ INL void wgroup(int bt, int rt, const ustate * sb, const ustate * sr, int g, __m
     }
 }
 
+/* one IQ2_XXS / IQ2_XS block as f32 through this family's decoder (the check against ggml) */
+TGT static void avx2_deq_iq2(bool xs, const uint8_t * b, float * out) {
+    const int t = xs ? T_IQ2_XS : T_IQ2_XXS;
+    ustate s;
+    prep(t, &s, b);
+    for (int g = 0; g < 8; g++) {
+        __m256 v[4];
+        grp(t, &s, g, v);
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(out + 32 * g + 8 * q, v[q]);
+    }
+}
+
+static bool avx2_iq2_ready;
+static pthread_once_t avx2_iq2_once = PTHREAD_ONCE_INIT;
+
+static void avx2_iq2_init(void) {
+    avx2_iq2 = bs_iq2_get_tables();
+    avx2_iq2_ready = avx2_iq2 != NULL && bs_iq2_decoder_agrees(avx2_deq_iq2);
+}
+
+/* iq2.c's tables read and this decoder checked against ggml (once; AVX2 CPUs only) */
+static bool avx2_iq2_ok(void) {
+    pthread_once(&avx2_iq2_once, avx2_iq2_init);
+    return avx2_iq2_ready;
+}
+
+static bool avx2_supports(const bs_job * job) {
+    if (job->w2 != NULL && (job->w2_type == GGML_TYPE_IQ2_XXS || job->w2_type == GGML_TYPE_IQ2_XS)) {
+        bs_job rest = *job; /* the precision and the residual as for any base */
+        rest.w2 = NULL;
+        return job->K % 256 == 0 && bs_f32_family_supports(&rest) && avx2_fma_f16c() && avx2_iq2_ok();
+    }
+    return bs_f32_family_supports(job);
+}
 
 /* ---------------------------------------------------------------------------------------------
  * products. The arithmetic of every (row, column): W2 + R per 8 values as above, then

@@ -233,105 +233,18 @@ TGT_AVX512 static void deq_q4_1(const uint8_t * b, float * out) {
     _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(u8x16_ps(_mm_and_si128(_mm_srli_epi16(q, 4), m4)), d, m));
 }
 
-/* IQ2_XXS and IQ2_XS (split --base iq2_xxs|iq2_s): each 8 values are one entry of a grid of
- * 8-byte magnitudes, with a 7-bit index into a table of 8 signs, and one 4-bit scale per 32
- * (IQ2_XXS) or 16 (IQ2_XS) values: w = d * (0.5 + s) * 0.25 * grid[j] * sign[j]. The grids and the
- * sign table are not copied from ggml: they are read once from ggml's own dequantizer (blocks that
- * hold each index in turn, unit scale), and then blocks of pseudo-random codes of each type are
- * decoded by ggml and by deq_iq2 (the SIMD decoder the tile families use) and must agree bit for
- * bit; if anything is off (another ggml, another block layout), these types keep going through
- * ggml's dequantizer. */
-#define IQ2XXS_BYTES 66 /* fp16 d, 32 x uint16 codes */
-#define IQ2XS_BYTES 74  /* fp16 d, 32 x uint16 codes, 8 bytes of scales */
-static uint64_t iq2xxs_grid_here[256], iq2xs_grid_here[512];
-static uint8_t iq2_signs_here[128];
+/* IQ2_XXS and IQ2_XS (split --base iq2_xxs|iq2_s): the grids and sign table of iq2.c (read from
+ * ggml's dequantizer), used once deq_iq2 (the SIMD decoder the tile families use) agrees with ggml
+ * bit for bit (bs_iq2_decoder_agrees); otherwise these types keep going through ggml's. */
+static const bs_iq2_tables * iq2_tab;
 static bool iq2_ready;
 static pthread_once_t iq2_once = PTHREAD_ONCE_INIT;
 
 TGT_AVX512 static void deq_iq2(bool xs, const uint8_t * b, float * out); /* below: the decoder checked */
 
-/* the magnitudes of n grid entries, index i at code slot i of unit-scale blocks (8 codes per 32
- * values), read back from ggml's dequantizer */
-static bool iq2_read_grid(enum ggml_type type, uint64_t * grid, int n) {
-    const int xs = type == GGML_TYPE_IQ2_XS, bb = xs ? IQ2XS_BYTES : IQ2XXS_BYTES, nblk = n / 32;
-    uint8_t * blk = calloc((size_t)nblk, (size_t)bb);
-    float * y = malloc((size_t)nblk * 256 * sizeof(float));
-    bool ok = blk != NULL && y != NULL;
-    for (int k = 0; ok && k < nblk; k++) {
-        uint8_t * p = blk + (size_t)k * bb;
-        const uint16_t one = 0x3C00; /* fp16 1.0: values are grid / 8 */
-        memcpy(p, &one, 2);
-        for (int slot = 0; slot < 32; slot++) {
-            const int idx = 32 * k + slot, ib = slot / 4, l = slot % 4;
-            if (xs) {
-                const uint16_t q = (uint16_t)idx; /* sign index 0 */
-                memcpy(p + 2 + 8 * ib + 2 * l, &q, 2);
-            } else {
-                p[2 + 8 * ib + l] = (uint8_t)idx; /* the second word (signs, scale) stays 0 */
-            }
-        }
-    }
-    if (ok) ggml_get_type_traits(type)->to_float(blk, y, (int64_t)nblk * 256);
-    for (int i = 0; ok && i < n; i++) {
-        uint64_t g = 0;
-        for (int t = 0; t < 8; t++) {
-            const float v = y[8 * i + t] * 8.0f;
-            if (!(v >= 1.0f && v <= 255.0f) || v != (float)(int)v) ok = false;
-            else g |= (uint64_t)(int)v << (8 * t);
-        }
-        grid[i] = g;
-    }
-    free(blk);
-    free(y);
-    return ok;
-}
-
 static void iq2_init(void) {
-    const struct ggml_type_traits * a = ggml_get_type_traits(GGML_TYPE_IQ2_XXS);
-    const struct ggml_type_traits * b = ggml_get_type_traits(GGML_TYPE_IQ2_XS);
-    if (a == NULL || a->to_float == NULL || a->blck_size != 256 || a->type_size != IQ2XXS_BYTES || b == NULL ||
-        b->to_float == NULL || b->blck_size != 256 || b->type_size != IQ2XS_BYTES ||
-        !iq2_read_grid(GGML_TYPE_IQ2_XXS, iq2xxs_grid_here, 256) || !iq2_read_grid(GGML_TYPE_IQ2_XS, iq2xs_grid_here, 512)) {
-        return;
-    }
-    /* signs: index s at slot s of IQ2_XXS blocks whose grid entry is 0 (no zero magnitudes) */
-    uint8_t blk[4 * IQ2XXS_BYTES];
-    float y[4 * 256];
-    memset(blk, 0, sizeof blk);
-    for (int k = 0; k < 4; k++) {
-        const uint16_t one = 0x3C00;
-        memcpy(blk + k * IQ2XXS_BYTES, &one, 2);
-        for (int ib = 0; ib < 8; ib++) {
-            uint32_t w = 0;
-            for (int l = 0; l < 4; l++) w |= (uint32_t)(32 * k + 4 * ib + l) << (7 * l);
-            memcpy(blk + k * IQ2XXS_BYTES + 2 + 8 * ib + 4, &w, 4);
-        }
-    }
-    a->to_float(blk, y, 4 * 256);
-    for (int s = 0; s < 128; s++) {
-        uint8_t m = 0;
-        for (int t = 0; t < 8; t++) m |= (uint8_t)((y[8 * s + t] < 0) << t);
-        iq2_signs_here[s] = m;
-    }
-    /* the check: pseudo-random codes, scales and signs, both ways, bit for bit */
-    uint8_t rb[2 * IQ2XS_BYTES];
-    float ref[256], got[256];
-    uint32_t st = 0x9e3779b9u;
-    for (int xs = 0; xs < 2; xs++) {
-        const int bb = xs ? IQ2XS_BYTES : IQ2XXS_BYTES;
-        for (int rep = 0; rep < 2; rep++) {
-            for (int i = 0; i < bb; i++) {
-                st = st * 1664525u + 1013904223u;
-                rb[i] = (uint8_t)(st >> 24);
-            }
-            const uint16_t d = rep ? 0x2E66 : 0xB800; /* 0.1, -0.5 */
-            memcpy(rb, &d, 2);
-            (xs ? b : a)->to_float(rb, ref, 256);
-            deq_iq2(xs, rb, got); /* the SIMD decoder itself (reached only on AVX-512 CPUs) */
-            if (memcmp(got, ref, sizeof ref) != 0) return;
-        }
-    }
-    iq2_ready = true;
+    iq2_tab = bs_iq2_get_tables();
+    iq2_ready = iq2_tab != NULL && bs_iq2_decoder_agrees(deq_iq2); /* reached only on AVX-512 CPUs */
 }
 
 static bool iq2_tables(void) {
@@ -344,27 +257,9 @@ static bool iq2_tables(void) {
 TGT_AVX512 static inline void iq2_group(bool xs, const uint8_t * b, int ib, __m512 * lo, __m512 * hi) {
     const float d = h2f(b);
     uint64_t g[4];
-    uint32_t sg = 0;
-    float db0, db1;
-    if (xs) {
-        uint16_t q[4];
-        memcpy(q, b + 2 + 8 * ib, 8);
-        const uint8_t sc = b[66 + ib];
-        db0 = d * (0.5f + (sc & 0xf)) * 0.25f;
-        db1 = d * (0.5f + (sc >> 4)) * 0.25f;
-        for (int l = 0; l < 4; l++) {
-            g[l] = iq2xs_grid_here[q[l] & 511];
-            sg |= (uint32_t)iq2_signs_here[q[l] >> 9] << (8 * l);
-        }
-    } else {
-        uint32_t aux[2];
-        memcpy(aux, b + 2 + 8 * ib, 8);
-        db0 = db1 = d * (0.5f + (aux[1] >> 28)) * 0.25f;
-        for (int l = 0; l < 4; l++) {
-            g[l] = iq2xxs_grid_here[(aux[0] >> (8 * l)) & 255];
-            sg |= (uint32_t)iq2_signs_here[(aux[1] >> (7 * l)) & 127] << (8 * l);
-        }
-    }
+    uint32_t sg, s0, s1;
+    bs_iq2_group(iq2_tab, xs, b, ib, g, &sg, &s0, &s1);
+    const float db0 = d * (0.5f + (float)s0) * 0.25f, db1 = d * (0.5f + (float)s1) * 0.25f;
     const __m512 zero = _mm512_setzero_ps();
     const __m512 a = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)g[1], (long long)g[0])), _mm512_set1_ps(db0));
     const __m512 c = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)g[3], (long long)g[2])), _mm512_set1_ps(db1));
@@ -418,7 +313,7 @@ TGT_AVX512 static void deq(enum ggml_type type, const uint8_t * row, int64_t k0,
             if (n % QK == 0 && k0 % QK == 0 && iq2_tables()) {
                 const bool xs = type == GGML_TYPE_IQ2_XS;
                 for (int64_t k = 0; k < n; k += QK) {
-                    deq_iq2(xs, row + (size_t)((k0 + k) / QK) * (xs ? IQ2XS_BYTES : IQ2XXS_BYTES), out + k);
+                    deq_iq2(xs, row + (size_t)((k0 + k) / QK) * (xs ? BS_IQ2XS_BYTES : BS_IQ2XXS_BYTES), out + k);
                 }
                 return;
             }
@@ -600,7 +495,7 @@ TGT_AVX512 static void bf16_q8_0(const uint8_t * row, int64_t k0, int64_t n_el, 
 
 TGT_AVX512 static void bf16_iq2(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst) {
     const bool xs = type == GGML_TYPE_IQ2_XS;
-    const size_t bb = xs ? IQ2XS_BYTES : IQ2XXS_BYTES;
+    const size_t bb = xs ? BS_IQ2XS_BYTES : BS_IQ2XXS_BYTES;
     for (int64_t sb = 0; sb < n_el / QK; sb++) {
         const uint8_t * b = row + (size_t)(k0 / QK + sb) * bb;
         for (int ib = 0; ib < 8; ib++) {

@@ -1,0 +1,117 @@
+/*
+ * IQ2_XXS and IQ2_XS (split --base iq2_xxs|iq2_s), for the families that decode them with SIMD:
+ * each 8 values are one entry of a grid of 8-byte magnitudes, with a 7-bit index into a table of 8
+ * signs, and one 4-bit scale per 32 (IQ2_XXS) or 16 (IQ2_XS) values:
+ * w = d * (0.5 + s) * 0.25 * grid[j] * sign[j].
+ *
+ * The grids and the sign table are not copied from ggml: they are read once from ggml's own
+ * dequantizer (blocks that hold each index in turn, unit scale). A family's decoder is then checked
+ * against ggml bit for bit on blocks of pseudo-random codes of each type (bs_iq2_decoder_agrees);
+ * if anything is off (another ggml, another block layout), these types keep going through ggml's
+ * dequantizer in that family.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bs_internal.h"
+#include "ggml.h"
+
+static bs_iq2_tables tables;
+static bool tables_ok;
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+
+/* the magnitudes of n grid entries, index i at code slot i of unit-scale blocks (8 codes per 32
+ * values), read back from ggml's dequantizer */
+static bool read_grid(enum ggml_type type, uint64_t * grid, int n) {
+    const int xs = type == GGML_TYPE_IQ2_XS, bb = xs ? BS_IQ2XS_BYTES : BS_IQ2XXS_BYTES, nblk = n / 32;
+    uint8_t * blk = calloc((size_t)nblk, (size_t)bb);
+    float * y = malloc((size_t)nblk * 256 * sizeof(float));
+    bool ok = blk != NULL && y != NULL;
+    for (int k = 0; ok && k < nblk; k++) {
+        uint8_t * p = blk + (size_t)k * bb;
+        const uint16_t one = 0x3C00; /* fp16 1.0: values are grid / 8 */
+        memcpy(p, &one, 2);
+        for (int slot = 0; slot < 32; slot++) {
+            const int idx = 32 * k + slot, ib = slot / 4, l = slot % 4;
+            if (xs) {
+                const uint16_t q = (uint16_t)idx; /* sign index 0 */
+                memcpy(p + 2 + 8 * ib + 2 * l, &q, 2);
+            } else {
+                p[2 + 8 * ib + l] = (uint8_t)idx; /* the second word (signs, scale) stays 0 */
+            }
+        }
+    }
+    if (ok) ggml_get_type_traits(type)->to_float(blk, y, (int64_t)nblk * 256);
+    for (int i = 0; ok && i < n; i++) {
+        uint64_t g = 0;
+        for (int t = 0; t < 8; t++) {
+            const float v = y[8 * i + t] * 8.0f;
+            if (!(v >= 1.0f && v <= 255.0f) || v != (float)(int)v) ok = false;
+            else g |= (uint64_t)(int)v << (8 * t);
+        }
+        grid[i] = g;
+    }
+    free(blk);
+    free(y);
+    return ok;
+}
+
+static void read_tables(void) {
+    const struct ggml_type_traits * a = ggml_get_type_traits(GGML_TYPE_IQ2_XXS);
+    const struct ggml_type_traits * b = ggml_get_type_traits(GGML_TYPE_IQ2_XS);
+    if (a == NULL || a->to_float == NULL || a->blck_size != 256 || a->type_size != BS_IQ2XXS_BYTES || b == NULL ||
+        b->to_float == NULL || b->blck_size != 256 || b->type_size != BS_IQ2XS_BYTES ||
+        !read_grid(GGML_TYPE_IQ2_XXS, tables.xxs_grid, 256) || !read_grid(GGML_TYPE_IQ2_XS, tables.xs_grid, 512)) {
+        return;
+    }
+    /* signs: index s at slot s of IQ2_XXS blocks whose grid entry is 0 (no zero magnitudes) */
+    uint8_t blk[4 * BS_IQ2XXS_BYTES];
+    float y[4 * 256];
+    memset(blk, 0, sizeof blk);
+    for (int k = 0; k < 4; k++) {
+        const uint16_t one = 0x3C00;
+        memcpy(blk + k * BS_IQ2XXS_BYTES, &one, 2);
+        for (int ib = 0; ib < 8; ib++) {
+            uint32_t w = 0;
+            for (int l = 0; l < 4; l++) w |= (uint32_t)(32 * k + 4 * ib + l) << (7 * l);
+            memcpy(blk + k * BS_IQ2XXS_BYTES + 2 + 8 * ib + 4, &w, 4);
+        }
+    }
+    a->to_float(blk, y, 4 * 256);
+    for (int s = 0; s < 128; s++) {
+        uint8_t m = 0;
+        for (int t = 0; t < 8; t++) m |= (uint8_t)((y[8 * s + t] < 0) << t);
+        tables.signs[s] = m;
+    }
+    tables_ok = true;
+}
+
+const bs_iq2_tables * bs_iq2_get_tables(void) {
+    pthread_once(&tables_once, read_tables);
+    return tables_ok ? &tables : NULL;
+}
+
+bool bs_iq2_decoder_agrees(void (*decode)(bool xs, const uint8_t * block, float * out)) {
+    uint8_t rb[BS_IQ2XS_BYTES];
+    float ref[256], got[256];
+    uint32_t st = 0x9e3779b9u;
+    for (int xs = 0; xs < 2; xs++) {
+        const int bb = xs ? BS_IQ2XS_BYTES : BS_IQ2XXS_BYTES;
+        const struct ggml_type_traits * tr = ggml_get_type_traits(xs ? GGML_TYPE_IQ2_XS : GGML_TYPE_IQ2_XXS);
+        for (int rep = 0; rep < 4; rep++) {
+            for (int i = 0; i < bb; i++) {
+                st = st * 1664525u + 1013904223u;
+                rb[i] = (uint8_t)(st >> 24);
+            }
+            static const uint16_t ds[4] = {0xB800, 0x2E66, 0x0400, 0x7BFF}; /* -0.5, 0.1, tiny, fp16 max */
+            memcpy(rb, &ds[rep], 2);
+            tr->to_float(rb, ref, 256);
+            decode(xs != 0, rb, got);
+            if (memcmp(got, ref, sizeof ref) != 0) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
