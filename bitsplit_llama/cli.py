@@ -535,8 +535,13 @@ def plan(
             raise InvalidOptionError("--base with --gpu none: a split directory's own base is measured; leave it out")
         if len(profiles) > 1:
             raise InvalidOptionError("--profile with --gpu none: one profile at most (the split's own)")
+        bw_now = None
+        if measure and ram_bandwidth is None and Path(model).is_dir():  # one figure for every tree size
+            from .tools.machine import bandwidth_now
+
+            bw_now = bandwidth_now()
         make = partial(make_cpu_plan, str(model), ram_bw=ram_bandwidth, residual=residual, cores=cpu_cores,
-                       measure=measure, log=_say)
+                       measure=measure, bandwidth_now=bw_now, log=_say)
         if profiles:
             p = plan_with_profile(make, profiles[0][0], profiles[0][1])
         else:

@@ -119,6 +119,13 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert p["bitsplit"]["measured_products"] is None
     assert p["tree_nodes"] == 4 and p["bitsplit"]["tokens_per_verify"] == 45.0
+    # timed on the split: every tree size against one bandwidth, measured once per plan
+    calls = []
+    monkeypatch.setattr(machine, "bandwidth_now", lambda threads=None: calls.append(threads) or 40e9)
+    assert main(["plan", str(split), "--gpu", "none", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(calls) == 1 and p["ram_bandwidth_gb_s"] == 40.0 and "now" in p["ram_bandwidth_source"]
+    assert p["tree_nodes"] == 4 and p["bitsplit"]["measured_products"]["verify_rows"] == 5
     assert "acceptance profile" in p["bitsplit"]["tokens_per_verify_source"]
     assert [s["nodes"] for s in p["tree_sizes"]] == [1, 4]
     # figures given on the command line win over the split's own profile (bench's, to check the model)

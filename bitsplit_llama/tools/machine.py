@@ -580,8 +580,18 @@ def _ggml_pass(infos: list, g, threads: int) -> Callable[[int], Callable[[], Non
     return make
 
 
+def bandwidth_now(threads: Optional[int] = None) -> float:
+    """RAM bytes/s now: the median of 5 threaded numpy reductions over 1 GiB (on a shared machine a
+    burst is not the rate)."""
+    from .bench import memory_bandwidth
+
+    threads = _threads(threads)
+    return statistics.median(memory_bandwidth(threads, 1.0, 1) for _ in range(5))
+
+
 def measure_split(model_dir: Path, *, draft_rows: int, verify_rows: int, threads: Optional[int] = None,
-                  repeat: int = 5, budget_s: float = 4.0, log: Optional[Log] = None) -> dict:
+                  repeat: int = 5, budget_s: float = 4.0, bandwidth: Optional[float] = None,
+                  log: Optional[Log] = None) -> dict:
     """The weight products of one drafter pass and one verify pass of a CPU-only run, timed on this
     split's own tensors (their shapes and types: a row of 1,536 weights runs ggml's Q2_K kernel at
     about 0.6x the rate of the profile's 4,096, measured on a 2-core Zen 5), each pass as the engine
@@ -595,19 +605,18 @@ def measure_split(model_dir: Path, *, draft_rows: int, verify_rows: int, threads
 
     The token embedding is a row lookup, not a product, unless the model has no output head (then
     it is the output head). Medians of up to ``repeat`` passes after one warm-up. The memory
-    bandwidth is measured in the same run (``memory_bandwidth_gb_s``), so that a shared machine's
-    load at the time weighs on both alike."""
+    bandwidth is measured in the same run (:func:`bandwidth_now`; ``bandwidth``: one taken already,
+    e.g. once for every tree size of a plan), so that a shared machine's load at the time weighs on
+    both alike (``memory_bandwidth_gb_s``)."""
     from ..formats.gguf_file import GGUFFile
     from ..formats.modeldir import split_paths
     from ..native.residual import Residual
 
     import llama_cpp  # noqa: F401  (loads libggml*: the one ggml of the process)
 
-    from .bench import memory_bandwidth
-
     threads = _threads(threads)
     size = Size("split", 0, 0, 0, repeat, budget_s, 0.0)
-    bw = statistics.median(memory_bandwidth(threads, 1.0, 1) for _ in range(5))  # a burst is not the rate
+    bw = bandwidth if bandwidth is not None else bandwidth_now(threads)
     base_p, _ = split_paths(model_dir)
     rng = np.random.default_rng(5)
     with Residual(model_dir) as r, GGUFFile(base_p, role="base") as g:

@@ -208,11 +208,14 @@ def _draft_rate_per_core(profile: dict | None, rows: int) -> tuple[float | None,
 
 def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None, residual: str = "q6_k",
                   tokens_per_verify: float | None = None, rounds: float | None = None, cores: int | None = None,
-                  verify_rows: int = 17, acceptance_source: str = "given", measure: bool = True, log=None) -> dict:
+                  verify_rows: int = 17, acceptance_source: str = "given", measure: bool = True,
+                  bandwidth_now: float | None = None, log=None) -> dict:
     """The cost model with no GPU: every pass streams its weights from RAM on this CPU (``--gpu
     none``). A split directory gives the real base and residual bytes and, with ``measure``, the
     products of a drafter and a verify pass timed on its own tensors (:func:`.machine.measure_split`:
-    their shapes and types, which the machine profile's synthetic tensors do not have)."""
+    their shapes and types, which the machine profile's synthetic tensors do not have), with the RAM
+    bandwidth measured beside them (``bandwidth_now``, bytes/s: one measured already, so that every
+    tree size of a plan is projected against the same figure)."""
     if ram_bw is not None and not ram_bw > 0:
         raise InvalidOptionError(f"--ram-bandwidth: {ram_bw} must be a positive number")
     a_src = r_src = acceptance_source
@@ -236,7 +239,8 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
     if split and measure:
         from .machine import measure_split
 
-        measured = measure_split(Path(model), draft_rows=draft_rows, verify_rows=verify_rows, log=log)
+        measured = measure_split(Path(model), draft_rows=draft_rows, verify_rows=verify_rows, bandwidth=bandwidth_now,
+                                 log=log)
     if ram_bw is None and measured is not None:  # the same moment as the products (a shared machine's load)
         ram_bw, ram_src = measured["memory_bandwidth_gb_s"], "measured now, with this split's products"
     else:
