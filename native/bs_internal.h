@@ -133,6 +133,24 @@ typedef struct {
     uint8_t signs[128];
 } bs_iq2_tables;
 const bs_iq2_tables * bs_iq2_get_tables(void);
+/* IQ3_S (iq2.c): the 512-entry grid (4 magnitudes per entry, a byte each), NULL where it cannot be
+ * read; bs_iq3s_decoder_agrees as for IQ2 */
+#define BS_IQ3S_BYTES 110 /* fp16 d, 64 qs, 8 qh, 32 signs, 4 scales */
+const uint32_t * bs_iq3s_get_grid(void);
+bool bs_iq3s_decoder_agrees(void (*decode)(const uint8_t * block, float * out));
+/* group g (values 32 g .. 32 g + 31) of an IQ3_S block b: its 8 grid entries as 4 x 8 magnitudes
+ * in g64 (entries 2l and 2l+1 in g64[l]), the 32 sign bits in *sg, the 4-bit scale in *s */
+static inline void bs_iq3s_group(const uint32_t * grid, const uint8_t * b, int g, uint64_t g64[4], uint32_t * sg,
+                                 uint32_t * s) {
+    const uint8_t * qs = b + 2 + 8 * g;
+    const uint32_t qh = b[66 + g];
+    for (int l = 0; l < 4; l++) {
+        const uint32_t e0 = qs[2 * l] | ((qh << (8 - 2 * l)) & 256), e1 = qs[2 * l + 1] | ((qh << (7 - 2 * l)) & 256);
+        g64[l] = (uint64_t)grid[e0] | (uint64_t)grid[e1] << 32;
+    }
+    memcpy(sg, b + 74 + 4 * g, 4);
+    *s = (g & 1) ? (uint32_t)b[106 + g / 2] >> 4 : b[106 + g / 2] & 0xfu;
+}
 /* group ib (values 32 ib .. 32 ib + 31) of an IQ2_XXS / IQ2_XS block b: its 4 grid entries (8
  * magnitudes each) in g, their 32 sign bits (bit i: value i negative) in *sg, and the 4-bit scale
  * of each half in *s0 (values 0-15) and *s1 (16-31) */

@@ -9,6 +9,10 @@
  * against ggml bit for bit on blocks of pseudo-random codes of each type (bs_iq2_decoder_agrees);
  * if anything is off (another ggml, another block layout), these types keep going through ggml's
  * dequantizer in that family.
+ *
+ * IQ3_S (the quarter of llama.cpp's IQ2_S mix that is not IQ2_XS) likewise: a grid of 512 entries
+ * of 4 magnitudes, 8 entries per 32 values (an 8-bit index in qs plus a ninth bit in qh), one sign
+ * bit per value, one 4-bit scale s per 32 values: w = d * (1 + 2 s) * grid[j] * sign[j].
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -18,6 +22,9 @@
 #include "ggml.h"
 
 static bs_iq2_tables tables;
+static uint32_t iq3s_grid[512];
+static bool iq3s_ok;
+static pthread_once_t iq3s_once = PTHREAD_ONCE_INIT;
 static bool tables_ok;
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
@@ -111,6 +118,65 @@ bool bs_iq2_decoder_agrees(void (*decode)(bool xs, const uint8_t * block, float 
             if (memcmp(got, ref, sizeof ref) != 0) {
                 return false;
             }
+        }
+    }
+    return true;
+}
+
+/* the 512 entries of IQ3_S's grid: entry e at slot e % 64 of block e / 64 (unit scale, no signs) */
+static void read_iq3s(void) {
+    const struct ggml_type_traits * tr = ggml_get_type_traits(GGML_TYPE_IQ3_S);
+    if (tr == NULL || tr->to_float == NULL || tr->blck_size != 256 || tr->type_size != BS_IQ3S_BYTES) {
+        return;
+    }
+    enum { NBLK = 512 / 64 };
+    uint8_t blk[NBLK * BS_IQ3S_BYTES];
+    float y[NBLK * 256];
+    memset(blk, 0, sizeof blk);
+    for (int k = 0; k < NBLK; k++) {
+        uint8_t * p = blk + k * BS_IQ3S_BYTES;
+        const uint16_t one = 0x3C00; /* d = 1, scales 0: values are the grid's */
+        memcpy(p, &one, 2);
+        for (int slot = 0; slot < 64; slot++) { /* group slot / 8, entry slot % 8 */
+            const int e = 64 * k + slot, g = slot / 8, j = slot % 8;
+            p[2 + 8 * g + j] = (uint8_t)(e & 255);       /* qs */
+            if (e & 256) p[2 + 64 + g] |= (uint8_t)(1u << j); /* qh: the ninth bit of entry j of group g */
+        }
+    }
+    tr->to_float(blk, y, NBLK * 256);
+    for (int e = 0; e < 512; e++) {
+        uint32_t v = 0;
+        for (int t = 0; t < 4; t++) {
+            const float f = y[4 * e + t];
+            if (!(f >= 1.0f && f <= 255.0f) || f != (float)(int)f) return;
+            v |= (uint32_t)(int)f << (8 * t);
+        }
+        iq3s_grid[e] = v;
+    }
+    iq3s_ok = true;
+}
+
+const uint32_t * bs_iq3s_get_grid(void) {
+    pthread_once(&iq3s_once, read_iq3s);
+    return iq3s_ok ? iq3s_grid : NULL;
+}
+
+bool bs_iq3s_decoder_agrees(void (*decode)(const uint8_t * block, float * out)) {
+    const struct ggml_type_traits * tr = ggml_get_type_traits(GGML_TYPE_IQ3_S);
+    uint8_t rb[BS_IQ3S_BYTES];
+    float ref[256], got[256];
+    uint32_t st = 0x7f4a7c15u;
+    for (int rep = 0; rep < 4; rep++) {
+        for (int i = 0; i < BS_IQ3S_BYTES; i++) {
+            st = st * 1664525u + 1013904223u;
+            rb[i] = (uint8_t)(st >> 24);
+        }
+        static const uint16_t ds[4] = {0xB800, 0x2E66, 0x0400, 0x5BFF}; /* -0.5, 0.1, tiny, 255.9 */
+        memcpy(rb, &ds[rep], 2);
+        tr->to_float(rb, ref, 256);
+        decode(rb, got);
+        if (memcmp(got, ref, sizeof ref) != 0) {
+            return false;
         }
     }
     return true;

@@ -160,8 +160,9 @@ def test_family_against_reference_every_type(type_splits, fam):
 
 @pytest.fixture(scope="module")
 def iq_splits(tmp_path_factory, tiny_f32):
-    """The tiny model split on IQ2_XXS and IQ2_XS bases (split --base iq2_xxs|iq2_s; made with an
-    importance matrix of the shipped calibration text)."""
+    """The tiny model split on IQ2_XXS, IQ2_XS and llama.cpp's IQ2_S mix (IQ2_XS with IQ3_S) bases
+    (split --base iq2_xxs|iq2_xs|iq2_s; made with an importance matrix of the shipped calibration
+    text)."""
     from bitsplit_llama.formats.split import split_model
     from bitsplit_llama.tools.imatrix import calibration_text, compute_imatrix
 
@@ -169,7 +170,7 @@ def iq_splits(tmp_path_factory, tiny_f32):
     (d / "text.txt").write_text(calibration_text().read_text()[:6000])
     compute_imatrix(tiny_f32, d / "text.txt", d / "im.gguf", n_ctx=64, chunks=4, threads=2)
     out = {}
-    for base in ("iq2_xxs", "iq2_xs"):
+    for base in ("iq2_xxs", "iq2_xs", "iq2_s"):
         out[base] = d / base
         split_model(tiny_f32, out[base], base_ftype=base, imatrix=d / "im.gguf", threads=2)
     return out
@@ -184,32 +185,40 @@ def test_family_against_reference_iq_bases(iq_splits, fam):
     for base, split in iq_splits.items():
         with GGUFFile(split / "base.gguf") as b:
             types = {b.tensor(n).ggml_type for n in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight")}
-        assert {"iq2_xxs": 16, "iq2_xs": 17}[base] in types, (base, types)
+        assert {"iq2_xxs": 16, "iq2_xs": 17, "iq2_s": 17}[base] in types, (base, types)
         # a pinned family that cannot decode IQ types hands them to the policy's
         _check_family(split, fam, ("blk.0.ffn_down.weight", "blk.1.attn_q.weight"), n_cols=(1, 2, 3, 16, 17),
                       fallback=set(HERE))
         if fam in IQ2_DECODERS:  # these decode the IQ2 blocks themselves, with SIMD
             with Residual(split) as res, GGUFFile(split / "base.gguf") as b:
                 res.set_kernel(fam)
-                for n in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight"):
-                    if b.tensor(n).ggml_type in (16, 17):
-                        assert res.family_of(n, 17) == fam and res.family_of(n, 1) == fam, (fam, n)
+                for n in _iq_names(res, b):
+                    assert res.family_of(n, 17) == fam and res.family_of(n, 1) == fam, (fam, n)
 
 
-#: the families with their own IQ2_XXS / IQ2_XS decoder (checked against ggml's at first use)
+#: the families with their own IQ2_XXS / IQ2_XS / IQ3_S decoder (checked against ggml's at first use)
 IQ2_DECODERS = ("avx512-bf16", "amx-bf16", "avx2-f32")
+#: IQ2_XXS, IQ2_XS, IQ3_S
+IQ_TYPES = (16, 17, 21)
+
+
+def _iq_names(res, base) -> list[str]:
+    """The weights with a residual whose base is an IQ type these families decode."""
+    return [t[0] for t in res.tensors() if base.tensor(t[0]).ggml_type in IQ_TYPES and t[1][2] == 1]
 
 
 def test_iq2_bases_never_reach_the_scalar_family(iq_splits):
-    """No product on a CPU with SIMD falls to the portable family: on an IQ2_XXS / IQ2_XS base the
-    policy picks a family that decodes it, at every batch size (AVX2-only CPUs: avx2-f32; the CI
-    runs this under each ISA cap)."""
+    """No product on a CPU with SIMD falls to the portable family: on an IQ2_XXS / IQ2_XS / IQ3_S
+    base the policy picks a family that decodes it, at every batch size (AVX2-only CPUs: avx2-f32;
+    the CI runs this under each ISA cap)."""
     if not any(f in HERE for f in IQ2_DECODERS):
         pytest.skip(f"no family here decodes IQ2 (families: {', '.join(HERE)}): generic is all there is")
     for base, split in iq_splits.items():
         with Residual(split) as res, GGUFFile(split / "base.gguf") as b:
-            names = [n for n in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight") if b.tensor(n).ggml_type in (16, 17)]
+            names = _iq_names(res, b)
             assert names, base
+            if base == "iq2_s":  # the mix's IQ3_S quarter is among them
+                assert any(b.tensor(n).ggml_type == 21 for n in names), base
             for n in names:
                 for cols in (1, 2, 4, 16, 17, 64):
                     assert res.family_of(n, cols) != "generic", (base, n, cols)

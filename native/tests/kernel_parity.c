@@ -1,7 +1,7 @@
 /*
  * Parity of ONE kernel family with ggml's dequantisation: kernels_avx2.c on x86-64, kernels_neon.c
  * on AArch64, linked alone (no libggml: the family files use only ggml.h's types; scratch.c is
- * linked in, and iq2.c's two functions are stubbed below: no IQ2 tables here, so the family never
+ * linked in, and iq2.c's functions are stubbed below: no IQ2 tables here, so the family never
  * takes an IQ2 base, which no parity case holds; tests/test_kernels.py checks those), so the AArch64
  * build is a static binary that runs under qemu-aarch64-static.
  *
@@ -50,6 +50,11 @@ extern const bs_kernel_family bs_family_neon_f32;
 /* iq2.c needs libggml (its tables are read from ggml's dequantizer): without them, no IQ2 base */
 const bs_iq2_tables * bs_iq2_get_tables(void) { return NULL; }
 bool bs_iq2_decoder_agrees(void (*decode)(bool xs, const uint8_t * block, float * out)) {
+    (void)decode;
+    return false;
+}
+const uint32_t * bs_iq3s_get_grid(void) { return NULL; }
+bool bs_iq3s_decoder_agrees(void (*decode)(const uint8_t * block, float * out)) {
     (void)decode;
     return false;
 }

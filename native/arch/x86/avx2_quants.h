@@ -6,17 +6,20 @@
  * 16-31: D1/O1; the same for types with sub-blocks of 32). IQ2_XXS / IQ2_XS (a family that takes
  * them defines AVX2_WITH_IQ2 and sets avx2_iq2 to iq2.c's tables after checking its decoder): the
  * signed grid value v as u = 128 + v, D = d (0.5 + s) / 4 and O = -128 D, so that D u + O, one
- * fused multiply-add, is ggml's d (0.5 + s) / 4 * v exactly.
+ * fused multiply-add, is ggml's d (0.5 + s) / 4 * v exactly; IQ3_S the same with D = d (1 + 2 s)
+ * (avx2_iq3s set to iq2.c's IQ3_S grid).
  *
  * Internal to native/arch/x86; include after the TGT/INL macros are defined.
  */
 #ifndef BS_AVX2_QUANTS_H
 #define BS_AVX2_QUANTS_H
 
-enum { T_NONE, T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_Q8_0, T_Q4_0, T_Q4_1, T_IQ2_XXS, T_IQ2_XS, T_COUNT };
+enum { T_NONE, T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_Q8_0, T_Q4_0, T_Q4_1, T_IQ2_XXS, T_IQ2_XS, T_IQ3_S,
+       T_COUNT };
 
-/* iq2.c's tables, for the family that takes IQ2 bases (NULL elsewhere: those never decode them) */
+/* iq2.c's tables, for the family that takes IQ bases (NULL elsewhere: those never decode them) */
 static const bs_iq2_tables * avx2_iq2;
+static const uint32_t * avx2_iq3s;
 
 static int tcode(const uint8_t * data, enum ggml_type t) {
     if (data == NULL) return T_NONE;
@@ -31,13 +34,14 @@ static int tcode(const uint8_t * data, enum ggml_type t) {
         case GGML_TYPE_Q4_1: return T_Q4_1;
         case GGML_TYPE_IQ2_XXS: return T_IQ2_XXS;
         case GGML_TYPE_IQ2_XS: return T_IQ2_XS;
+        case GGML_TYPE_IQ3_S: return T_IQ3_S;
         default: return -1;
     }
 }
 
 /* elements per block and bytes per block of each code */
-static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32, 256, 256};
-static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20, BS_IQ2XXS_BYTES, BS_IQ2XS_BYTES};
+static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256};
+static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20, BS_IQ2XXS_BYTES, BS_IQ2XS_BYTES, BS_IQ3S_BYTES};
 
 typedef struct {
     const uint8_t * p;  /* the unit's first byte */
@@ -119,6 +123,15 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
             }
             break;
         }
+        case T_IQ3_S: { /* ggml's d * (1 + 2 s) per 32 values, s a nibble of scales[ib / 2] */
+            const float d = h2f(b);
+            for (int ib = 0; ib < 8; ib++) {
+                const int sc = (ib & 1) ? b[106 + ib / 2] >> 4 : b[106 + ib / 2] & 0xf;
+                s->D[2 * ib] = s->D[2 * ib + 1] = d * (float)(1 + 2 * sc);
+                s->O[2 * ib] = s->O[2 * ib + 1] = -128.0f * s->D[2 * ib];
+            }
+            break;
+        }
         default:
             break; /* block-32 types read their scale per group */
     }
@@ -170,10 +183,12 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
         case T_Q8_0: /* W = d q = d (u - 128), u = q + 128 */
             return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 34 * g + 2)), _mm256_set1_epi8((char)0x80));
         case T_IQ2_XXS:
-        case T_IQ2_XS: { /* 4 grid entries of 8 magnitudes, each with 8 sign bits: u = 128 +- magnitude */
+        case T_IQ2_XS:
+        case T_IQ3_S: { /* 32 grid magnitudes with their sign bits: u = 128 +- magnitude */
             uint64_t gq[4];
             uint32_t sg, s0, s1;
-            bs_iq2_group(avx2_iq2, t == T_IQ2_XS, b, g, gq, &sg, &s0, &s1);
+            if (t == T_IQ3_S) bs_iq3s_group(avx2_iq3s, b, g, gq, &sg, &s0);
+            else bs_iq2_group(avx2_iq2, t == T_IQ2_XS, b, g, gq, &sg, &s0, &s1);
             const __m256i mag = _mm256_setr_epi64x((long long)gq[0], (long long)gq[1], (long long)gq[2], (long long)gq[3]);
             /* byte i of the group takes sign bit i % 8 of sign byte i / 8 (vpshufb works per 128-bit lane) */
             const __m256i sb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)sg),
@@ -199,7 +214,7 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
 INL __m256i gcodes(int t, const ustate * s, int g, float * D0, float * O0, float * D1, float * O1) {
     const uint8_t * b = s->p;
     switch (t) {
-        case T_Q2_K: case T_Q3_K: case T_Q6_K: case T_IQ2_XXS: case T_IQ2_XS: {
+        case T_Q2_K: case T_Q3_K: case T_Q6_K: case T_IQ2_XXS: case T_IQ2_XS: case T_IQ3_S: {
             const int k = 2 * g; /* sub-blocks of 16 */
             *D0 = s->D[k], *O0 = s->O[k], *D1 = s->D[k + 1], *O1 = s->O[k + 1];
             break;
@@ -326,8 +341,8 @@ typedef void (*avx2_rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
      rows_##B##_T_Q5_K}
 /* the IQ2 bases' bodies and table rows where the family takes them (else their rows stay NULL) */
 #ifdef AVX2_WITH_IQ2
-#define AVX2_IQ2_BODIES AVX2_BODIES(T_IQ2_XXS) AVX2_BODIES(T_IQ2_XS)
-#define AVX2_IQ2_ROWS , [T_IQ2_XXS] = AVX2_ROW(T_IQ2_XXS), [T_IQ2_XS] = AVX2_ROW(T_IQ2_XS)
+#define AVX2_IQ2_BODIES AVX2_BODIES(T_IQ2_XXS) AVX2_BODIES(T_IQ2_XS) AVX2_BODIES(T_IQ3_S)
+#define AVX2_IQ2_ROWS , [T_IQ2_XXS] = AVX2_ROW(T_IQ2_XXS), [T_IQ2_XS] = AVX2_ROW(T_IQ2_XS), [T_IQ3_S] = AVX2_ROW(T_IQ3_S)
 #else
 #define AVX2_IQ2_BODIES
 #define AVX2_IQ2_ROWS

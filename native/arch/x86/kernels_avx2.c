@@ -14,8 +14,8 @@
  * accumulators in registers). Each weight block is read from memory once per product, whatever the
  * batch. Unpackers: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (superblocks of 256), Q8_0, Q4_0, Q4_1 (blocks
  * of 32): every type llama.cpp's Q2_K mix puts in a base and every quantized residual type; and
- * the IQ2_XXS / IQ2_XS bases (split --base iq2_xxs|iq2_s), once this decoder agrees with ggml's bit
- * for bit (iq2.c); IQ3_S and IQ1_M still go through ggml's dequantizer (the generic family).
+ * the IQ2_XXS / IQ2_XS / IQ3_S bases (split --base iq2_xxs|iq2_s), once this decoder agrees with
+ * ggml's bit for bit (iq2.c); IQ1_M still goes through ggml's dequantizer (the generic family).
  */
 #if defined(__x86_64__)
 
@@ -87,9 +87,8 @@ INL void wgroup(int bt, int rt, const ustate * sb, const ustate * sr, int g, __m
     }
 }
 
-/* one IQ2_XXS / IQ2_XS block as f32 through this family's decoder (the check against ggml) */
-TGT static void avx2_deq_iq2(bool xs, const uint8_t * b, float * out) {
-    const int t = xs ? T_IQ2_XS : T_IQ2_XXS;
+/* one block of an IQ type as f32 through this family's decoder (the check against ggml) */
+TGT static void avx2_deq_block(int t, const uint8_t * b, float * out) {
     ustate s;
     prep(t, &s, b);
     for (int g = 0; g < 8; g++) {
@@ -99,25 +98,33 @@ TGT static void avx2_deq_iq2(bool xs, const uint8_t * b, float * out) {
     }
 }
 
-static bool avx2_iq2_ready;
-static pthread_once_t avx2_iq2_once = PTHREAD_ONCE_INIT;
+static void avx2_deq_iq2(bool xs, const uint8_t * b, float * out) { avx2_deq_block(xs ? T_IQ2_XS : T_IQ2_XXS, b, out); }
 
-static void avx2_iq2_init(void) {
+static void avx2_deq_iq3s(const uint8_t * b, float * out) { avx2_deq_block(T_IQ3_S, b, out); }
+
+static bool avx2_iq2_ready, avx2_iq3s_ready;
+static pthread_once_t avx2_iq_once = PTHREAD_ONCE_INIT;
+
+static void avx2_iq_init(void) {
     avx2_iq2 = bs_iq2_get_tables();
     avx2_iq2_ready = avx2_iq2 != NULL && bs_iq2_decoder_agrees(avx2_deq_iq2);
+    avx2_iq3s = bs_iq3s_get_grid();
+    avx2_iq3s_ready = avx2_iq3s != NULL && bs_iq3s_decoder_agrees(avx2_deq_iq3s);
 }
 
-/* iq2.c's tables read and this decoder checked against ggml (once; AVX2 CPUs only) */
-static bool avx2_iq2_ok(void) {
-    pthread_once(&avx2_iq2_once, avx2_iq2_init);
-    return avx2_iq2_ready;
+/* iq2.c's tables read and this family's decoder of the type checked against ggml (once; AVX2
+ * CPUs only) */
+static bool avx2_iq_ok(enum ggml_type type) {
+    pthread_once(&avx2_iq_once, avx2_iq_init);
+    return type == GGML_TYPE_IQ3_S ? avx2_iq3s_ready : avx2_iq2_ready;
 }
 
 static bool avx2_supports(const bs_job * job) {
-    if (job->w2 != NULL && (job->w2_type == GGML_TYPE_IQ2_XXS || job->w2_type == GGML_TYPE_IQ2_XS)) {
+    if (job->w2 != NULL &&
+        (job->w2_type == GGML_TYPE_IQ2_XXS || job->w2_type == GGML_TYPE_IQ2_XS || job->w2_type == GGML_TYPE_IQ3_S)) {
         bs_job rest = *job; /* the precision and the residual as for any base */
         rest.w2 = NULL;
-        return job->K % 256 == 0 && bs_f32_family_supports(&rest) && avx2_fma_f16c() && avx2_iq2_ok();
+        return job->K % 256 == 0 && bs_f32_family_supports(&rest) && avx2_fma_f16c() && avx2_iq_ok(job->w2_type);
     }
     return bs_f32_family_supports(job);
 }

@@ -233,33 +233,38 @@ TGT_AVX512 static void deq_q4_1(const uint8_t * b, float * out) {
     _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(u8x16_ps(_mm_and_si128(_mm_srli_epi16(q, 4), m4)), d, m));
 }
 
-/* IQ2_XXS and IQ2_XS (split --base iq2_xxs|iq2_s): the grids and sign table of iq2.c (read from
- * ggml's dequantizer), used once deq_iq2 (the SIMD decoder the tile families use) agrees with ggml
- * bit for bit (bs_iq2_decoder_agrees); otherwise these types keep going through ggml's. */
+/* IQ2_XXS, IQ2_XS and IQ3_S (split --base iq2_xxs|iq2_s): the grids and sign table of iq2.c (read
+ * from ggml's dequantizer), used once deq_iq2 / deq_iq3s (the SIMD decoders the tile families use)
+ * agree with ggml bit for bit; otherwise these types keep going through ggml's. */
 static const bs_iq2_tables * iq2_tab;
-static bool iq2_ready;
-static pthread_once_t iq2_once = PTHREAD_ONCE_INIT;
+static const uint32_t * iq3s_grid;
+static bool iq2_ready, iq3s_ready;
+static pthread_once_t iq_once = PTHREAD_ONCE_INIT;
 
-TGT_AVX512 static void deq_iq2(bool xs, const uint8_t * b, float * out); /* below: the decoder checked */
+TGT_AVX512 static void deq_iq2(bool xs, const uint8_t * b, float * out); /* below: the decoders checked */
+TGT_AVX512 static void deq_iq3s(const uint8_t * b, float * out);
 
-static void iq2_init(void) {
+static void iq_init(void) { /* reached only on AVX-512 CPUs */
     iq2_tab = bs_iq2_get_tables();
-    iq2_ready = iq2_tab != NULL && bs_iq2_decoder_agrees(deq_iq2); /* reached only on AVX-512 CPUs */
+    iq2_ready = iq2_tab != NULL && bs_iq2_decoder_agrees(deq_iq2);
+    iq3s_grid = bs_iq3s_get_grid();
+    iq3s_ready = iq3s_grid != NULL && bs_iq3s_decoder_agrees(deq_iq3s);
 }
 
 static bool iq2_tables(void) {
-    pthread_once(&iq2_once, iq2_init);
+    pthread_once(&iq_once, iq_init);
     return iq2_ready;
 }
 
-/* values [32 ib, 32 ib + 32) of an IQ2_XXS / IQ2_XS block as f32: db * grid, negated where the sign
- * says (ggml's (db * grid) * -1, exactly) */
-TGT_AVX512 static inline void iq2_group(bool xs, const uint8_t * b, int ib, __m512 * lo, __m512 * hi) {
-    const float d = h2f(b);
-    uint64_t g[4];
-    uint32_t sg, s0, s1;
-    bs_iq2_group(iq2_tab, xs, b, ib, g, &sg, &s0, &s1);
-    const float db0 = d * (0.5f + (float)s0) * 0.25f, db1 = d * (0.5f + (float)s1) * 0.25f;
+static bool iq3s_tables(void) {
+    pthread_once(&iq_once, iq_init);
+    return iq3s_ready;
+}
+
+/* 32 values as f32 from their grid magnitudes g and sign bits sg: db * grid, negated where the sign
+ * says (ggml's (db * grid) * -1, exactly); db0 for values 0-15, db1 for 16-31 */
+TGT_AVX512 static inline void iq_values(const uint64_t g[4], uint32_t sg, float db0, float db1, __m512 * lo,
+                                        __m512 * hi) {
     const __m512 zero = _mm512_setzero_ps();
     const __m512 a = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)g[1], (long long)g[0])), _mm512_set1_ps(db0));
     const __m512 c = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)g[3], (long long)g[2])), _mm512_set1_ps(db1));
@@ -267,10 +272,34 @@ TGT_AVX512 static inline void iq2_group(bool xs, const uint8_t * b, int ib, __m5
     *hi = _mm512_mask_sub_ps(c, (__mmask16)(sg >> 16), zero, c);
 }
 
+/* values [32 ib, 32 ib + 32) of an IQ2_XXS / IQ2_XS block as f32 */
+TGT_AVX512 static inline void iq2_group(bool xs, const uint8_t * b, int ib, __m512 * lo, __m512 * hi) {
+    const float d = h2f(b);
+    uint64_t g[4];
+    uint32_t sg, s0, s1;
+    bs_iq2_group(iq2_tab, xs, b, ib, g, &sg, &s0, &s1);
+    iq_values(g, sg, d * (0.5f + (float)s0) * 0.25f, d * (0.5f + (float)s1) * 0.25f, lo, hi);
+}
+
 TGT_AVX512 static void deq_iq2(bool xs, const uint8_t * b, float * out) {
     for (int ib = 0; ib < 8; ib++) {
         __m512 lo, hi;
         iq2_group(xs, b, ib, &lo, &hi);
+        _mm512_storeu_ps(out + 32 * ib, lo);
+        _mm512_storeu_ps(out + 32 * ib + 16, hi);
+    }
+}
+
+/* an IQ3_S block as f32: ggml's d * (1 + 2 s) per 32 values */
+TGT_AVX512 static void deq_iq3s(const uint8_t * b, float * out) {
+    const float d = h2f(b);
+    for (int ib = 0; ib < 8; ib++) {
+        uint64_t g[4];
+        uint32_t sg, sc;
+        bs_iq3s_group(iq3s_grid, b, ib, g, &sg, &sc);
+        const float db = d * (float)(1 + 2 * (int)sc);
+        __m512 lo, hi;
+        iq_values(g, sg, db, db, &lo, &hi);
         _mm512_storeu_ps(out + 32 * ib, lo);
         _mm512_storeu_ps(out + 32 * ib + 16, hi);
     }
@@ -315,6 +344,12 @@ TGT_AVX512 static void deq(enum ggml_type type, const uint8_t * row, int64_t k0,
                 for (int64_t k = 0; k < n; k += QK) {
                     deq_iq2(xs, row + (size_t)((k0 + k) / QK) * (xs ? BS_IQ2XS_BYTES : BS_IQ2XXS_BYTES), out + k);
                 }
+                return;
+            }
+            /* fall through */
+        case GGML_TYPE_IQ3_S:
+            if (type == GGML_TYPE_IQ3_S && n % QK == 0 && k0 % QK == 0 && iq3s_tables()) {
+                for (int64_t k = 0; k < n; k += QK) deq_iq3s(row + (size_t)((k0 + k) / QK) * BS_IQ3S_BYTES, out + k);
                 return;
             }
             /* fall through */
