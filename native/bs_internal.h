@@ -122,61 +122,71 @@ const bs_kernel_family * bs_generic_family(void);
 void * bs_scratch_get(bs_scratch * s, size_t size);
 void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k);
 
-/* IQ2_XXS / IQ2_XS (iq2.c): the grids (8 magnitudes per entry, a byte each) and the 128 sign bytes,
- * read from ggml's own dequantizer once; NULL where that fails (these types then stay with ggml's
- * dequantizer). A SIMD decoder is used only once bs_iq2_decoder_agrees(decoder): bit for bit
- * ggml's to_float on blocks of pseudo-random codes of both types (decode: one block of 256). */
+/* IQ2_XXS, IQ2_XS and IQ3_S (iq2.c): the grids (a byte per magnitude) and IQ2's 128 sign bytes,
+ * read from ggml's own dequantizer once (iq2_ok / iq3s_ok: whether that worked; if not, those types
+ * stay with ggml's dequantizer). A family's SIMD decoder of a type is used only once
+ * bs_iq_decoder_agrees(type, decoder): bit for bit ggml's to_float on blocks of pseudo-random codes
+ * (decode: one block of 256 values of that type). */
 #define BS_IQ2XXS_BYTES 66 /* fp16 d, 32 x uint16 codes */
 #define BS_IQ2XS_BYTES 74  /* fp16 d, 32 x uint16 codes, 8 bytes of scales */
+#define BS_IQ3S_BYTES 110  /* fp16 d, 64 qs, 8 qh, 32 signs, 4 scales */
 typedef struct {
-    uint64_t xxs_grid[256], xs_grid[512];
+    uint64_t xxs_grid[256], xs_grid[512]; /* 8 magnitudes per entry */
     uint8_t signs[128];
-} bs_iq2_tables;
-const bs_iq2_tables * bs_iq2_get_tables(void);
-/* IQ3_S (iq2.c): the 512-entry grid (4 magnitudes per entry, a byte each), NULL where it cannot be
- * read; bs_iq3s_decoder_agrees as for IQ2 */
-#define BS_IQ3S_BYTES 110 /* fp16 d, 64 qs, 8 qh, 32 signs, 4 scales */
-const uint32_t * bs_iq3s_get_grid(void);
-bool bs_iq3s_decoder_agrees(void (*decode)(const uint8_t * block, float * out));
-/* group g (values 32 g .. 32 g + 31) of an IQ3_S block b: its 8 grid entries as 4 x 8 magnitudes
- * in g64 (entries 2l and 2l+1 in g64[l]), the 32 sign bits in *sg, the 4-bit scale in *s */
-static inline void bs_iq3s_group(const uint32_t * grid, const uint8_t * b, int g, uint64_t g64[4], uint32_t * sg,
-                                 uint32_t * s) {
-    const uint8_t * qs = b + 2 + 8 * g;
-    const uint32_t qh = b[66 + g];
-    for (int l = 0; l < 4; l++) {
-        const uint32_t e0 = qs[2 * l] | ((qh << (8 - 2 * l)) & 256), e1 = qs[2 * l + 1] | ((qh << (7 - 2 * l)) & 256);
-        g64[l] = (uint64_t)grid[e0] | (uint64_t)grid[e1] << 32;
-    }
-    memcpy(sg, b + 74 + 4 * g, 4);
-    *s = (g & 1) ? (uint32_t)b[106 + g / 2] >> 4 : b[106 + g / 2] & 0xfu;
-}
-/* group ib (values 32 ib .. 32 ib + 31) of an IQ2_XXS / IQ2_XS block b: its 4 grid entries (8
- * magnitudes each) in g, their 32 sign bits (bit i: value i negative) in *sg, and the 4-bit scale
- * of each half in *s0 (values 0-15) and *s1 (16-31) */
-static inline void bs_iq2_group(const bs_iq2_tables * t, bool xs, const uint8_t * b, int ib, uint64_t g[4],
-                                uint32_t * sg, uint32_t * s0, uint32_t * s1) {
+    uint32_t iq3s_grid[512]; /* 4 magnitudes per entry */
+    bool iq2_ok, iq3s_ok;
+} bs_iq_tables;
+const bs_iq_tables * bs_iq_get_tables(void);
+bool bs_iq_decoder_agrees(enum ggml_type type, void (*decode)(enum ggml_type type, const uint8_t * block, float * out));
+
+/* group g (values 32 g .. 32 g + 31) of a block b of IQ2_XXS, IQ2_XS or IQ3_S: its 32 magnitudes,
+ * 8 per mag[l] (values 8 l .. 8 l + 7, a byte each), and their sign bits in *sg (bit i: value i
+ * negative) */
+static inline void bs_iq_group(const bs_iq_tables * t, enum ggml_type type, const uint8_t * b, int g, uint64_t mag[4],
+                               uint32_t * sg) {
     *sg = 0;
-    if (xs) {
-        uint16_t q[4];
-        memcpy(q, b + 2 + 8 * ib, 8);
+    if (type == GGML_TYPE_IQ3_S) { /* 8 entries of 4: an 8-bit index in qs, the ninth bit in qh */
+        const uint8_t * qs = b + 2 + 8 * g;
+        const uint32_t qh = b[66 + g];
         for (int l = 0; l < 4; l++) {
-            g[l] = t->xs_grid[q[l] & 511];
+            const uint32_t e0 = qs[2 * l] | ((qh << (8 - 2 * l)) & 256), e1 = qs[2 * l + 1] | ((qh << (7 - 2 * l)) & 256);
+            mag[l] = (uint64_t)t->iq3s_grid[e0] | (uint64_t)t->iq3s_grid[e1] << 32;
+        }
+        memcpy(sg, b + 74 + 4 * g, 4);
+    } else if (type == GGML_TYPE_IQ2_XS) {
+        uint16_t q[4];
+        memcpy(q, b + 2 + 8 * g, 8);
+        for (int l = 0; l < 4; l++) {
+            mag[l] = t->xs_grid[q[l] & 511];
             *sg |= (uint32_t)t->signs[q[l] >> 9] << (8 * l);
         }
-        *s0 = b[66 + ib] & 0xfu;
-        *s1 = (uint32_t)b[66 + ib] >> 4;
     } else {
         uint32_t aux[2];
-        memcpy(aux, b + 2 + 8 * ib, 8);
+        memcpy(aux, b + 2 + 8 * g, 8);
         for (int l = 0; l < 4; l++) {
-            g[l] = t->xxs_grid[(aux[0] >> (8 * l)) & 255];
+            mag[l] = t->xxs_grid[(aux[0] >> (8 * l)) & 255];
             *sg |= (uint32_t)t->signs[(aux[1] >> (7 * l)) & 127] << (8 * l);
         }
-        *s0 = *s1 = aux[1] >> 28;
     }
 }
-bool bs_iq2_decoder_agrees(void (*decode)(bool xs, const uint8_t * block, float * out));
+
+/* the scale of half h (values 16 h .. 16 h + 15) of group g of such a block with fp16 scale d, as
+ * ggml computes it: d * (0.5 + s) * 0.25 (IQ2_XXS: s per 32 values; IQ2_XS: per 16), d * (1 + 2 s)
+ * (IQ3_S: per 32) */
+static inline float bs_iq_scale(enum ggml_type type, float d, const uint8_t * b, int g, int h) {
+    if (type == GGML_TYPE_IQ3_S) {
+        return d * (float)(1 + 2 * (int)((b[106 + g / 2] >> (4 * (g & 1))) & 0xf));
+    }
+    uint32_t s;
+    if (type == GGML_TYPE_IQ2_XS) {
+        s = (uint32_t)(b[66 + g] >> (4 * h)) & 0xfu;
+    } else {
+        memcpy(&s, b + 2 + 8 * g + 4, 4);
+        s >>= 28;
+    }
+    return d * (0.5f + (float)s) * 0.25f;
+}
+
 bool bs_type_readable(enum ggml_type type);
 uint64_t bs_now_ns(void);
 

@@ -6,7 +6,7 @@
  *
  * The grids and the sign table are not copied from ggml: they are read once from ggml's own
  * dequantizer (blocks that hold each index in turn, unit scale). A family's decoder is then checked
- * against ggml bit for bit on blocks of pseudo-random codes of each type (bs_iq2_decoder_agrees);
+ * against ggml bit for bit on blocks of pseudo-random codes of each type (bs_iq_decoder_agrees);
  * if anything is off (another ggml, another block layout), these types keep going through ggml's
  * dequantizer in that family.
  *
@@ -21,11 +21,7 @@
 #include "bs_internal.h"
 #include "ggml.h"
 
-static bs_iq2_tables tables;
-static uint32_t iq3s_grid[512];
-static bool iq3s_ok;
-static pthread_once_t iq3s_once = PTHREAD_ONCE_INIT;
-static bool tables_ok;
+static bs_iq_tables tables;
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
 /* the magnitudes of n grid entries, index i at code slot i of unit-scale blocks (8 codes per 32
@@ -64,7 +60,7 @@ static bool read_grid(enum ggml_type type, uint64_t * grid, int n) {
     return ok;
 }
 
-static void read_tables(void) {
+static void read_iq2(void) {
     const struct ggml_type_traits * a = ggml_get_type_traits(GGML_TYPE_IQ2_XXS);
     const struct ggml_type_traits * b = ggml_get_type_traits(GGML_TYPE_IQ2_XS);
     if (a == NULL || a->to_float == NULL || a->blck_size != 256 || a->type_size != BS_IQ2XXS_BYTES || b == NULL ||
@@ -91,36 +87,7 @@ static void read_tables(void) {
         for (int t = 0; t < 8; t++) m |= (uint8_t)((y[8 * s + t] < 0) << t);
         tables.signs[s] = m;
     }
-    tables_ok = true;
-}
-
-const bs_iq2_tables * bs_iq2_get_tables(void) {
-    pthread_once(&tables_once, read_tables);
-    return tables_ok ? &tables : NULL;
-}
-
-bool bs_iq2_decoder_agrees(void (*decode)(bool xs, const uint8_t * block, float * out)) {
-    uint8_t rb[BS_IQ2XS_BYTES];
-    float ref[256], got[256];
-    uint32_t st = 0x9e3779b9u;
-    for (int xs = 0; xs < 2; xs++) {
-        const int bb = xs ? BS_IQ2XS_BYTES : BS_IQ2XXS_BYTES;
-        const struct ggml_type_traits * tr = ggml_get_type_traits(xs ? GGML_TYPE_IQ2_XS : GGML_TYPE_IQ2_XXS);
-        for (int rep = 0; rep < 4; rep++) {
-            for (int i = 0; i < bb; i++) {
-                st = st * 1664525u + 1013904223u;
-                rb[i] = (uint8_t)(st >> 24);
-            }
-            static const uint16_t ds[4] = {0xB800, 0x2E66, 0x0400, 0x7BFF}; /* -0.5, 0.1, tiny, fp16 max */
-            memcpy(rb, &ds[rep], 2);
-            tr->to_float(rb, ref, 256);
-            decode(xs != 0, rb, got);
-            if (memcmp(got, ref, sizeof ref) != 0) {
-                return false;
-            }
-        }
-    }
-    return true;
+    tables.iq2_ok = true;
 }
 
 /* the 512 entries of IQ3_S's grid: entry e at slot e % 64 of block e / 64 (unit scale, no signs) */
@@ -151,30 +118,36 @@ static void read_iq3s(void) {
             if (!(f >= 1.0f && f <= 255.0f) || f != (float)(int)f) return;
             v |= (uint32_t)(int)f << (8 * t);
         }
-        iq3s_grid[e] = v;
+        tables.iq3s_grid[e] = v;
     }
-    iq3s_ok = true;
+    tables.iq3s_ok = true;
 }
 
-const uint32_t * bs_iq3s_get_grid(void) {
-    pthread_once(&iq3s_once, read_iq3s);
-    return iq3s_ok ? iq3s_grid : NULL;
+static void read_tables(void) {
+    read_iq2();
+    read_iq3s();
 }
 
-bool bs_iq3s_decoder_agrees(void (*decode)(const uint8_t * block, float * out)) {
-    const struct ggml_type_traits * tr = ggml_get_type_traits(GGML_TYPE_IQ3_S);
+const bs_iq_tables * bs_iq_get_tables(void) {
+    pthread_once(&tables_once, read_tables);
+    return &tables;
+}
+
+bool bs_iq_decoder_agrees(enum ggml_type type, void (*decode)(enum ggml_type type, const uint8_t * block, float * out)) {
+    const struct ggml_type_traits * tr = ggml_get_type_traits(type);
+    const int bb = type == GGML_TYPE_IQ2_XXS ? BS_IQ2XXS_BYTES : type == GGML_TYPE_IQ2_XS ? BS_IQ2XS_BYTES : BS_IQ3S_BYTES;
     uint8_t rb[BS_IQ3S_BYTES];
     float ref[256], got[256];
-    uint32_t st = 0x7f4a7c15u;
+    uint32_t st = 0x9e3779b9u ^ (uint32_t)type;
     for (int rep = 0; rep < 4; rep++) {
-        for (int i = 0; i < BS_IQ3S_BYTES; i++) {
+        for (int i = 0; i < bb; i++) {
             st = st * 1664525u + 1013904223u;
             rb[i] = (uint8_t)(st >> 24);
         }
-        static const uint16_t ds[4] = {0xB800, 0x2E66, 0x0400, 0x5BFF}; /* -0.5, 0.1, tiny, 255.9 */
+        static const uint16_t ds[4] = {0xB800, 0x2E66, 0x0400, 0x7BFF}; /* -0.5, 0.1, tiny, fp16 max */
         memcpy(rb, &ds[rep], 2);
         tr->to_float(rb, ref, 256);
-        decode(rb, got);
+        decode(type, rb, got);
         if (memcmp(got, ref, sizeof ref) != 0) {
             return false;
         }

@@ -48,13 +48,12 @@ extern const bs_kernel_family bs_family_neon_f32;
 #define SENTINEL 1234.5f
 
 /* iq2.c needs libggml (its tables are read from ggml's dequantizer): without them, no IQ2 base */
-const bs_iq2_tables * bs_iq2_get_tables(void) { return NULL; }
-bool bs_iq2_decoder_agrees(void (*decode)(bool xs, const uint8_t * block, float * out)) {
-    (void)decode;
-    return false;
+const bs_iq_tables * bs_iq_get_tables(void) {
+    static const bs_iq_tables none; /* iq2_ok, iq3s_ok false */
+    return &none;
 }
-const uint32_t * bs_iq3s_get_grid(void) { return NULL; }
-bool bs_iq3s_decoder_agrees(void (*decode)(const uint8_t * block, float * out)) {
+bool bs_iq_decoder_agrees(enum ggml_type type, void (*decode)(enum ggml_type type, const uint8_t * block, float * out)) {
+    (void)type;
     (void)decode;
     return false;
 }

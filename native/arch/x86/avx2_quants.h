@@ -3,11 +3,10 @@
  * avx2-int16): a unit of weights (256 values, or 32 for the block-32 types when the row width is
  * not a multiple of 256) is prepared once (its sub-block scales), then read as groups of 32 values:
  * 32 unsigned byte codes u with W = D u + O, D and O per sub-block of 16 (values 0-15: D0/O0,
- * 16-31: D1/O1; the same for types with sub-blocks of 32). IQ2_XXS / IQ2_XS (a family that takes
- * them defines AVX2_WITH_IQ2 and sets avx2_iq2 to iq2.c's tables after checking its decoder): the
- * signed grid value v as u = 128 + v, D = d (0.5 + s) / 4 and O = -128 D, so that D u + O, one
- * fused multiply-add, is ggml's d (0.5 + s) / 4 * v exactly; IQ3_S the same with D = d (1 + 2 s)
- * (avx2_iq3s set to iq2.c's IQ3_S grid).
+ * 16-31: D1/O1; the same for types with sub-blocks of 32). IQ2_XXS, IQ2_XS and IQ3_S (a family
+ * that takes them defines AVX2_WITH_IQ2 and sets avx2_iq to iq2.c's tables after checking its
+ * decoder): the signed grid value v as u = 128 + v, D = ggml's block scale (bs_iq_scale) and O =
+ * -128 D, so that D u + O, one fused multiply-add, is ggml's D v exactly.
  *
  * Internal to native/arch/x86; include after the TGT/INL macros are defined.
  */
@@ -18,8 +17,12 @@ enum { T_NONE, T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_Q8_0, T_Q4_0, T_Q4_1, T
        T_COUNT };
 
 /* iq2.c's tables, for the family that takes IQ bases (NULL elsewhere: those never decode them) */
-static const bs_iq2_tables * avx2_iq2;
-static const uint32_t * avx2_iq3s;
+static const bs_iq_tables * avx2_iq;
+
+/* the ggml type of an IQ code */
+static inline enum ggml_type iq_ggml(int t) {
+    return t == T_IQ2_XXS ? GGML_TYPE_IQ2_XXS : t == T_IQ2_XS ? GGML_TYPE_IQ2_XS : GGML_TYPE_IQ3_S;
+}
 
 static int tcode(const uint8_t * data, enum ggml_type t) {
     if (data == NULL) return T_NONE;
@@ -109,26 +112,12 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
             scales16(_mm_loadu_si128((const __m128i *)(b + 192)), h2f(b + 208), -32.0f, s->D, s->O);
             break;
         case T_IQ2_XXS:
-        case T_IQ2_XS: { /* ggml's d * (0.5f + s) * 0.25f per 32 (XXS: top 4 bits of the second word) or 16 values */
+        case T_IQ2_XS:
+        case T_IQ3_S: { /* ggml's scale per half of 16 */
             const float d = h2f(b);
-            for (int ib = 0; ib < 8; ib++) {
-                uint32_t a1 = 0;
-                if (t == T_IQ2_XXS) memcpy(&a1, b + 2 + 8 * ib + 4, 4);
-                const uint32_t s0 = t == T_IQ2_XXS ? a1 >> 28 : (uint32_t)(b[66 + ib] & 0xf);
-                const uint32_t s1 = t == T_IQ2_XXS ? a1 >> 28 : (uint32_t)(b[66 + ib] >> 4);
-                s->D[2 * ib] = d * (0.5f + (float)s0) * 0.25f;
-                s->D[2 * ib + 1] = d * (0.5f + (float)s1) * 0.25f;
-                s->O[2 * ib] = -128.0f * s->D[2 * ib];
-                s->O[2 * ib + 1] = -128.0f * s->D[2 * ib + 1];
-            }
-            break;
-        }
-        case T_IQ3_S: { /* ggml's d * (1 + 2 s) per 32 values, s a nibble of scales[ib / 2] */
-            const float d = h2f(b);
-            for (int ib = 0; ib < 8; ib++) {
-                const int sc = (ib & 1) ? b[106 + ib / 2] >> 4 : b[106 + ib / 2] & 0xf;
-                s->D[2 * ib] = s->D[2 * ib + 1] = d * (float)(1 + 2 * sc);
-                s->O[2 * ib] = s->O[2 * ib + 1] = -128.0f * s->D[2 * ib];
+            for (int j = 0; j < 16; j++) {
+                s->D[j] = bs_iq_scale(iq_ggml(t), d, b, j / 2, j % 2);
+                s->O[j] = -128.0f * s->D[j];
             }
             break;
         }
@@ -186,9 +175,8 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
         case T_IQ2_XS:
         case T_IQ3_S: { /* 32 grid magnitudes with their sign bits: u = 128 +- magnitude */
             uint64_t gq[4];
-            uint32_t sg, s0, s1;
-            if (t == T_IQ3_S) bs_iq3s_group(avx2_iq3s, b, g, gq, &sg, &s0);
-            else bs_iq2_group(avx2_iq2, t == T_IQ2_XS, b, g, gq, &sg, &s0, &s1);
+            uint32_t sg;
+            bs_iq_group(avx2_iq, iq_ggml(t), b, g, gq, &sg);
             const __m256i mag = _mm256_setr_epi64x((long long)gq[0], (long long)gq[1], (long long)gq[2], (long long)gq[3]);
             /* byte i of the group takes sign bit i % 8 of sign byte i / 8 (vpshufb works per 128-bit lane) */
             const __m256i sb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)sg),

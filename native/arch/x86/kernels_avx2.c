@@ -98,18 +98,16 @@ TGT static void avx2_deq_block(int t, const uint8_t * b, float * out) {
     }
 }
 
-static void avx2_deq_iq2(bool xs, const uint8_t * b, float * out) { avx2_deq_block(xs ? T_IQ2_XS : T_IQ2_XXS, b, out); }
-
-static void avx2_deq_iq3s(const uint8_t * b, float * out) { avx2_deq_block(T_IQ3_S, b, out); }
+static void avx2_deq_iq(enum ggml_type type, const uint8_t * b, float * out) { avx2_deq_block(tcode(b, type), b, out); }
 
 static bool avx2_iq2_ready, avx2_iq3s_ready;
 static pthread_once_t avx2_iq_once = PTHREAD_ONCE_INIT;
 
 static void avx2_iq_init(void) {
-    avx2_iq2 = bs_iq2_get_tables();
-    avx2_iq2_ready = avx2_iq2 != NULL && bs_iq2_decoder_agrees(avx2_deq_iq2);
-    avx2_iq3s = bs_iq3s_get_grid();
-    avx2_iq3s_ready = avx2_iq3s != NULL && bs_iq3s_decoder_agrees(avx2_deq_iq3s);
+    avx2_iq = bs_iq_get_tables();
+    avx2_iq2_ready = avx2_iq->iq2_ok && bs_iq_decoder_agrees(GGML_TYPE_IQ2_XXS, avx2_deq_iq) &&
+                     bs_iq_decoder_agrees(GGML_TYPE_IQ2_XS, avx2_deq_iq);
+    avx2_iq3s_ready = avx2_iq->iq3s_ok && bs_iq_decoder_agrees(GGML_TYPE_IQ3_S, avx2_deq_iq);
 }
 
 /* iq2.c's tables read and this family's decoder of the type checked against ggml (once; AVX2

@@ -234,74 +234,52 @@ TGT_AVX512 static void deq_q4_1(const uint8_t * b, float * out) {
 }
 
 /* IQ2_XXS, IQ2_XS and IQ3_S (split --base iq2_xxs|iq2_s): the grids and sign table of iq2.c (read
- * from ggml's dequantizer), used once deq_iq2 / deq_iq3s (the SIMD decoders the tile families use)
- * agree with ggml bit for bit; otherwise these types keep going through ggml's. */
-static const bs_iq2_tables * iq2_tab;
-static const uint32_t * iq3s_grid;
+ * from ggml's dequantizer), used once deq_iq (the SIMD decoder the tile families use) agrees with
+ * ggml bit for bit for that type; otherwise it keeps going through ggml's. */
+static const bs_iq_tables * iq_tab;
 static bool iq2_ready, iq3s_ready;
 static pthread_once_t iq_once = PTHREAD_ONCE_INIT;
 
-TGT_AVX512 static void deq_iq2(bool xs, const uint8_t * b, float * out); /* below: the decoders checked */
-TGT_AVX512 static void deq_iq3s(const uint8_t * b, float * out);
+TGT_AVX512 static void deq_iq(enum ggml_type type, const uint8_t * b, float * out); /* below: the decoder checked */
 
 static void iq_init(void) { /* reached only on AVX-512 CPUs */
-    iq2_tab = bs_iq2_get_tables();
-    iq2_ready = iq2_tab != NULL && bs_iq2_decoder_agrees(deq_iq2);
-    iq3s_grid = bs_iq3s_get_grid();
-    iq3s_ready = iq3s_grid != NULL && bs_iq3s_decoder_agrees(deq_iq3s);
+    iq_tab = bs_iq_get_tables();
+    iq2_ready = iq_tab->iq2_ok && bs_iq_decoder_agrees(GGML_TYPE_IQ2_XXS, deq_iq) &&
+                bs_iq_decoder_agrees(GGML_TYPE_IQ2_XS, deq_iq);
+    iq3s_ready = iq_tab->iq3s_ok && bs_iq_decoder_agrees(GGML_TYPE_IQ3_S, deq_iq);
 }
 
-static bool iq2_tables(void) {
+/* whether this is an IQ type the tile families decode themselves here */
+static bool iq_decoded(enum ggml_type type) {
+    if (type != GGML_TYPE_IQ2_XXS && type != GGML_TYPE_IQ2_XS && type != GGML_TYPE_IQ3_S) {
+        return false;
+    }
     pthread_once(&iq_once, iq_init);
-    return iq2_ready;
+    return type == GGML_TYPE_IQ3_S ? iq3s_ready : iq2_ready;
 }
 
-static bool iq3s_tables(void) {
-    pthread_once(&iq_once, iq_init);
-    return iq3s_ready;
-}
-
-/* 32 values as f32 from their grid magnitudes g and sign bits sg: db * grid, negated where the sign
- * says (ggml's (db * grid) * -1, exactly); db0 for values 0-15, db1 for 16-31 */
-TGT_AVX512 static inline void iq_values(const uint64_t g[4], uint32_t sg, float db0, float db1, __m512 * lo,
-                                        __m512 * hi) {
+/* values [32 g, 32 g + 32) of an IQ2_XXS / IQ2_XS / IQ3_S block as f32: db * grid, negated where
+ * the sign says (ggml's (db * grid) * -1, exactly) */
+TGT_AVX512 static inline void iq_group(enum ggml_type type, const uint8_t * b, int g, __m512 * lo, __m512 * hi) {
+    const float d = h2f(b);
+    uint64_t m[4];
+    uint32_t sg;
+    bs_iq_group(iq_tab, type, b, g, m, &sg);
     const __m512 zero = _mm512_setzero_ps();
-    const __m512 a = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)g[1], (long long)g[0])), _mm512_set1_ps(db0));
-    const __m512 c = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)g[3], (long long)g[2])), _mm512_set1_ps(db1));
+    const __m512 a = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)m[1], (long long)m[0])),
+                                   _mm512_set1_ps(bs_iq_scale(type, d, b, g, 0)));
+    const __m512 c = _mm512_mul_ps(u8x16_ps(_mm_set_epi64x((long long)m[3], (long long)m[2])),
+                                   _mm512_set1_ps(bs_iq_scale(type, d, b, g, 1)));
     *lo = _mm512_mask_sub_ps(a, (__mmask16)(sg & 0xffffu), zero, a);
     *hi = _mm512_mask_sub_ps(c, (__mmask16)(sg >> 16), zero, c);
 }
 
-/* values [32 ib, 32 ib + 32) of an IQ2_XXS / IQ2_XS block as f32 */
-TGT_AVX512 static inline void iq2_group(bool xs, const uint8_t * b, int ib, __m512 * lo, __m512 * hi) {
-    const float d = h2f(b);
-    uint64_t g[4];
-    uint32_t sg, s0, s1;
-    bs_iq2_group(iq2_tab, xs, b, ib, g, &sg, &s0, &s1);
-    iq_values(g, sg, d * (0.5f + (float)s0) * 0.25f, d * (0.5f + (float)s1) * 0.25f, lo, hi);
-}
-
-TGT_AVX512 static void deq_iq2(bool xs, const uint8_t * b, float * out) {
-    for (int ib = 0; ib < 8; ib++) {
+TGT_AVX512 static void deq_iq(enum ggml_type type, const uint8_t * b, float * out) {
+    for (int g = 0; g < 8; g++) {
         __m512 lo, hi;
-        iq2_group(xs, b, ib, &lo, &hi);
-        _mm512_storeu_ps(out + 32 * ib, lo);
-        _mm512_storeu_ps(out + 32 * ib + 16, hi);
-    }
-}
-
-/* an IQ3_S block as f32: ggml's d * (1 + 2 s) per 32 values */
-TGT_AVX512 static void deq_iq3s(const uint8_t * b, float * out) {
-    const float d = h2f(b);
-    for (int ib = 0; ib < 8; ib++) {
-        uint64_t g[4];
-        uint32_t sg, sc;
-        bs_iq3s_group(iq3s_grid, b, ib, g, &sg, &sc);
-        const float db = d * (float)(1 + 2 * (int)sc);
-        __m512 lo, hi;
-        iq_values(g, sg, db, db, &lo, &hi);
-        _mm512_storeu_ps(out + 32 * ib, lo);
-        _mm512_storeu_ps(out + 32 * ib + 16, hi);
+        iq_group(type, b, g, &lo, &hi);
+        _mm512_storeu_ps(out + 32 * g, lo);
+        _mm512_storeu_ps(out + 32 * g + 16, hi);
     }
 }
 
@@ -338,21 +316,13 @@ TGT_AVX512 static void deq(enum ggml_type type, const uint8_t * row, int64_t k0,
         case GGML_TYPE_Q4_1:
             for (int64_t k = 0; k < n; k += 32) deq_q4_1(row + (size_t)((k0 + k) / 32) * 20, out + k);
             return;
-        case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS:
-            if (n % QK == 0 && k0 % QK == 0 && iq2_tables()) {
-                const bool xs = type == GGML_TYPE_IQ2_XS;
-                for (int64_t k = 0; k < n; k += QK) {
-                    deq_iq2(xs, row + (size_t)((k0 + k) / QK) * (xs ? BS_IQ2XS_BYTES : BS_IQ2XXS_BYTES), out + k);
-                }
+        case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS: case GGML_TYPE_IQ3_S:
+            if (n % QK == 0 && k0 % QK == 0 && iq_decoded(type)) {
+                const size_t bb = ggml_type_size(type);
+                for (int64_t k = 0; k < n; k += QK) deq_iq(type, row + (size_t)((k0 + k) / QK) * bb, out + k);
                 return;
             }
-            /* fall through */
-        case GGML_TYPE_IQ3_S:
-            if (type == GGML_TYPE_IQ3_S && n % QK == 0 && k0 % QK == 0 && iq3s_tables()) {
-                for (int64_t k = 0; k < n; k += QK) deq_iq3s(row + (size_t)((k0 + k) / QK) * BS_IQ3S_BYTES, out + k);
-                return;
-            }
-            /* fall through */
+            /* fall through: ggml's dequantizer */
         default: {
             const int64_t blck = ggml_blck_size(type);
             bs_dequant_row(type, row + (size_t)(k0 / blck) * ggml_type_size(type), out, n);
@@ -528,15 +498,14 @@ TGT_AVX512 static void bf16_q8_0(const uint8_t * row, int64_t k0, int64_t n_el, 
     }
 }
 
-TGT_AVX512 static void bf16_iq2(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst) {
-    const bool xs = type == GGML_TYPE_IQ2_XS;
-    const size_t bb = xs ? BS_IQ2XS_BYTES : BS_IQ2XXS_BYTES;
+TGT_AVX512 static void bf16_iq(enum ggml_type type, const uint8_t * row, int64_t k0, int64_t n_el, uint16_t * dst) {
+    const size_t bb = ggml_type_size(type);
     for (int64_t sb = 0; sb < n_el / QK; sb++) {
         const uint8_t * b = row + (size_t)(k0 / QK + sb) * bb;
-        for (int ib = 0; ib < 8; ib++) {
+        for (int g = 0; g < 8; g++) {
             __m512 lo, hi;
-            iq2_group(xs, b, ib, &lo, &hi);
-            store_bf16(dst, sb * 8 + ib, lo, hi);
+            iq_group(type, b, g, &lo, &hi);
+            store_bf16(dst, sb * 8 + g, lo, hi);
         }
     }
 }
@@ -563,9 +532,9 @@ TGT_AVX512 static void unpack_row_bf16(enum ggml_type type, const uint8_t * row,
             case GGML_TYPE_Q4_K: bf16_q45_K(row, k0, n, dst, false); return;
             case GGML_TYPE_Q5_K: bf16_q45_K(row, k0, n, dst, true); return;
             case GGML_TYPE_Q6_K: bf16_q6_K(row, k0, n, dst); return;
-            case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS:
-                if (iq2_tables()) {
-                    bf16_iq2(type, row, k0, n, dst);
+            case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS: case GGML_TYPE_IQ3_S:
+                if (iq_decoded(type)) {
+                    bf16_iq(type, row, k0, n, dst);
                     return;
                 }
                 break;
