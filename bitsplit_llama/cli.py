@@ -537,8 +537,10 @@ def plan(
             raise InvalidOptionError("--profile with --gpu none: one profile at most (the split's own)")
         bw_now = None
         if measure and ram_bandwidth is None and Path(model).is_dir():  # one figure for every tree size
+            from .formats.modeldir import split_paths
             from .tools.machine import bandwidth_now
 
+            split_paths(model)  # not a split: said before seconds of measuring
             bw_now = bandwidth_now()
         make = partial(make_cpu_plan, str(model), ram_bw=ram_bandwidth, residual=residual, cores=cpu_cores,
                        measure=measure, bandwidth_now=bw_now, log=_say)
@@ -609,13 +611,16 @@ def doctor(
         t.add_column(col, justify="left" if col in ("product", "family") else "right", no_wrap=True,
                      min_width=len("avx512-bf16*") if col == "family" else None)
     rows = ([("R.x", r) for r in p["residual"]] + [("(W2+R).x", r) for r in p["with_base"]]
-            + [("ggml Q6_K", r) for r in p["ggml_reference"]] + [("ggml Q2_K base", r) for r in p.get("ggml_base", [])])
+            + [("ggml Q6_K", r) for r in p["ggml_reference"]] + [("ggml Q2_K base", r) for r in p.get("ggml_base", [])]
+            + [("W2.x draft", r) for r in p.get("native_draft", [])])
     for what, r in rows:
         fam = r["family"] + ("*" if r.get("policy") and what == "R.x" else "")
         use = f"{100 * r['bandwidth_use']:.0f}%" if r["bandwidth_use"] is not None else "-"
         t.add_row(what, fam, str(r["batch"]), f"{1000 * r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
                   f"{r['gb_per_s_per_core']:.2f}", f"{r['weights_per_s'] / 1e9:.2f}", use)
-    Console().print(t)
+    # at least the table's own width: narrower, rich truncates its figures ("35.…") and labels
+    con = Console()
+    Console(width=max(con.width, 100)).print(t)
     print(f"* the policy's family for that batch. Profile: {p['path']}")
 
 

@@ -111,7 +111,9 @@ def test_doctor_human_output(capsys, cache):
     out, _ = capsys.readouterr()
     for fam in policy.families():
         assert fam in out
-    assert "memory" in out and "GB/s" in out and "ggml Q6_K" in out
+    assert "memory" in out and "GB/s" in out and "ggml Q6_K" in out and "ggml Q2_K base" in out
+    # the native drafter's rows in the table too, where this CPU drafts with it (not only in the log)
+    assert ("W2.x draft" in out) == bool(policy.draft_kernel() and policy.draft_min_cols() <= 16)
 
 
 def test_plan_keeps_whole_the_layers_that_fit(capsys, cache, monkeypatch):

@@ -197,6 +197,7 @@ OPTION_CASES = [
     (["plan", "llama-3-70b", "--gpu", "igpu"], 2, "--gpu: 'igpu'"),
     (["plan", "{split}", "--gpu", "none", "--vram", "24"], 2, "--vram with --gpu none"),
     (["plan", "{split}", "--vram", "24"], 2, "planned with --gpu none"),
+    (["plan", "{tmp}", "--gpu", "none"], 1, "not a split model directory"),
     (["split", "{src}", "-o", "{tmp}/out", "--residual", "q3_k"], 2, "--residual: unknown residual type 'q3_k'"),
 ]
 

@@ -409,6 +409,11 @@ def measure_native_draft(split: Path, size: Size, threads: int, bandwidth: float
     fam = policy.draft_kernel()
     if not fam:
         return []
+    from ..formats.gguf_file import GGUFFile
+    from ..formats.split import BASE_NAME
+
+    with GGUFFile(split / BASE_NAME, role="base") as g:  # what a drafter pass reads
+        nbytes = sum(t.nbytes for t in g.tensors if len(t.shape) == 2 and t.shape[0] == size.ne0)
     rng = np.random.default_rng(3)
     rows: list[dict] = []
     with Residual(split) as r:
@@ -424,21 +429,10 @@ def measure_native_draft(split: Path, size: Size, threads: int, bandwidth: float
                     r.draft_matmul(n, x)
 
             t, n = _timed(one_pass, size, warm_up=False)  # the check above was the warm-up
-            nbytes = sum(_base_row_bytes(split, size))
             row = _row(fam, b, t, nbytes, size.weights, threads, bandwidth, passes=n)
             rows.append(row)
             _say(log, f"  W2.x draft {fam:>11} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
     return rows
-
-
-@functools.lru_cache(maxsize=8)
-def _base_row_bytes(split: Path, size: Size) -> tuple[int, ...]:
-    """Bytes of each base tensor of the synthetic split (what a drafter pass reads)."""
-    from ..formats.gguf_file import GGUFFile
-    from ..formats.split import BASE_NAME
-
-    with GGUFFile(split / BASE_NAME, role="base") as g:
-        return tuple(t.nbytes for t in g.tensors if len(t.shape) == 2 and t.shape[0] == size.ne0)
 
 
 def _loaded_lib(stem: str) -> Path:
@@ -659,23 +653,19 @@ def measure_split(model_dir: Path, *, draft_rows: int, verify_rows: int, threads
             make.free()
         w_res = sum(shapes[n].n_elements for n in res)
         w_exact = sum(shapes[n].n_elements for n in exact)
-    draft_kernel = ", ".join(filter(None, [f"native drafter ({_draft_family()}) on {len(native)} products"
-                                           if native else "", f"ggml on {len(ggml_names)}"]))
+    from ..native import policy
+
+    draft_how = ", ".join(filter(None, [f"native drafter ({policy.draft_kernel()}) on {len(native)} products"
+                                        if native else "", f"ggml on {len(ggml_names)}"]))
     out = {"threads": threads, "draft_rows": draft_rows, "verify_rows": verify_rows,
            "memory_bandwidth_gb_s": round(bw / 1e9, 3),
            "draft_s": round(t_native + t_ggml, 6), "draft_native_s": round(t_native, 6), "draft_ggml_s": round(t_ggml, 6),
-           "draft_products": draft_kernel, "verify_s": round(t_verify, 6), "verify_passes": n_verify,
+           "draft_products": draft_how, "verify_s": round(t_verify, 6), "verify_passes": n_verify,
            "weights_with_residual": w_res, "weights_without": w_exact}
-    _say(log, f"  this split's products, {threads} threads: drafter pass ({draft_rows} rows; {draft_kernel}) "
+    _say(log, f"  this split's products, {threads} threads: drafter pass ({draft_rows} rows; {draft_how}) "
               f"{1000 * out['draft_s']:.1f} ms, verify pass ({verify_rows} rows) {1000 * t_verify:.1f} ms; memory "
               f"bandwidth {bw / 1e9:.1f} GB/s")
     return out
-
-
-def _draft_family() -> str:
-    from ..native import policy
-
-    return policy.draft_kernel() or "none"
 
 
 def devices() -> list[dict]:

@@ -194,9 +194,9 @@ def _draft_rate_per_core(profile: dict | None, rows: int) -> tuple[float | None,
     else llama.cpp's kernel on the Q2_K base; (None, why) where neither was measured."""
     from .machine import rate_at
 
-    native = [r for r in (profile or {}).get("native_draft") or [] if r["batch"] <= rows]
-    if native:
-        rate, where = rate_at((profile or {})["native_draft"], rows)
+    native = (profile or {}).get("native_draft") or []
+    if any(r["batch"] <= rows for r in native):
+        rate, where = rate_at(native, rows)
         return rate, (f"measured here: machine profile, native drafter {native[0]['family']} on Q2_K ({where}, "
                       f"{profile['threads']} threads)")
     d_rows = (profile or {}).get("ggml_base") or []
