@@ -130,11 +130,13 @@ void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t 
 #define BS_IQ2XXS_BYTES 66 /* fp16 d, 32 x uint16 codes */
 #define BS_IQ2XS_BYTES 74  /* fp16 d, 32 x uint16 codes, 8 bytes of scales */
 #define BS_IQ3S_BYTES 110  /* fp16 d, 64 qs, 8 qh, 32 signs, 4 scales */
+#define BS_IQ1M_BYTES 56   /* 32 qs, 16 qh, 8 bytes of 3-bit scales with the fp16 d in their top nibbles */
 typedef struct {
     uint64_t xxs_grid[256], xs_grid[512]; /* 8 magnitudes per entry */
     uint8_t signs[128];
     uint32_t iq3s_grid[512]; /* 4 magnitudes per entry */
-    bool iq2_ok, iq3s_ok;
+    uint64_t iq1m_grid[2048]; /* IQ1_M: 8 values g in {-1, 0, 1} per entry, a byte each as 128 + 8 g */
+    bool iq2_ok, iq3s_ok, iq1m_ok;
 } bs_iq_tables;
 const bs_iq_tables * bs_iq_get_tables(void);
 bool bs_iq_decoder_agrees(enum ggml_type type, void (*decode)(enum ggml_type type, const uint8_t * block, float * out));
@@ -185,6 +187,23 @@ static inline float bs_iq_scale(enum ggml_type type, float d, const uint8_t * b,
         s >>= 28;
     }
     return d * (0.5f + (float)s) * 0.25f;
+}
+
+/* IQ1_M (split --base iq1_m): each 8 values are one entry of a grid of 2,048 (an 8-bit index in
+ * qs, 3 more bits in qh) plus a delta of +-1/8 (a bit in qh); each 16 values have a 3-bit scale s;
+ * the block's fp16 d is spread over the top nibbles of the four 16-bit scale words:
+ * w = d * (2 s + 1) * (grid[j] + delta). The fp16 bits of d: */
+static inline uint16_t bs_iq1m_d16(const uint8_t * b) {
+    uint16_t sc[4];
+    memcpy(sc, b + 48, 8);
+    return (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+}
+
+/* ggml's d * (2 s + 1) for half h (values 16 h .. 16 h + 15) of group g of an IQ1_M block */
+static inline float bs_iq1m_scale(float d, const uint8_t * b, int g, int h) {
+    uint16_t sc;
+    memcpy(&sc, b + 48 + 2 * (g / 2), 2);
+    return d * (float)(2 * ((sc >> (6 * (g % 2) + 3 * h)) & 0x7) + 1);
 }
 
 bool bs_type_readable(enum ggml_type type);

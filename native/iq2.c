@@ -13,6 +13,9 @@
  * IQ3_S (the quarter of llama.cpp's IQ2_S mix that is not IQ2_XS) likewise: a grid of 512 entries
  * of 4 magnitudes, 8 entries per 32 values (an 8-bit index in qs plus a ninth bit in qh), one sign
  * bit per value, one 4-bit scale s per 32 values: w = d * (1 + 2 s) * grid[j] * sign[j].
+ *
+ * IQ1_M (split --base iq1_m) likewise: a grid of 2,048 entries of 8 values in {-1, 0, 1}
+ * (bs_internal.h has the block's layout).
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -123,9 +126,45 @@ static void read_iq3s(void) {
     tables.iq3s_ok = true;
 }
 
+/* the 2,048 entries of IQ1_M's grid: entry e at slot e % 32 of block e / 32 (d = 1, scales 0, so
+ * dl = 1, and every delta +1/8: values are grid + 0.125) */
+static void read_iq1m(void) {
+    const struct ggml_type_traits * tr = ggml_get_type_traits(GGML_TYPE_IQ1_M);
+    if (tr == NULL || tr->to_float == NULL || tr->blck_size != 256 || tr->type_size != BS_IQ1M_BYTES) {
+        return;
+    }
+    enum { NBLK = 2048 / 32 };
+    uint8_t * blk = calloc(NBLK, BS_IQ1M_BYTES);
+    float * y = malloc(NBLK * 256 * sizeof(float));
+    bool ok = blk != NULL && y != NULL;
+    for (int k = 0; ok && k < NBLK; k++) {
+        uint8_t * p = blk + k * BS_IQ1M_BYTES;
+        p[53] = 0xC0, p[55] = 0x30; /* fp16 1.0 = 0x3C00: nibble 2 in scale word 2, nibble 3 in word 3 */
+        for (int slot = 0; slot < 32; slot++) { /* group slot / 4, entry slot % 4 */
+            const int e = 32 * k + slot, g = slot / 4, l = slot % 4;
+            p[4 * g + l] = (uint8_t)(e & 255);                              /* qs */
+            p[32 + 2 * g + l / 2] |= (uint8_t)((e >> 8) << (4 * (l % 2))); /* qh: 3 high bits */
+        }
+    }
+    if (ok) tr->to_float(blk, y, (int64_t)NBLK * 256);
+    for (int e = 0; ok && e < 2048; e++) {
+        uint64_t v = 0;
+        for (int t = 0; t < 8; t++) {
+            const float g = y[8 * e + t] - 0.125f;
+            if (g != -1.0f && g != 0.0f && g != 1.0f) ok = false;
+            else v |= (uint64_t)(uint8_t)(128 + 8 * (int)g) << (8 * t);
+        }
+        tables.iq1m_grid[e] = v;
+    }
+    free(blk);
+    free(y);
+    tables.iq1m_ok = ok;
+}
+
 static void read_tables(void) {
     read_iq2();
     read_iq3s();
+    read_iq1m();
 }
 
 const bs_iq_tables * bs_iq_get_tables(void) {
@@ -135,7 +174,8 @@ const bs_iq_tables * bs_iq_get_tables(void) {
 
 bool bs_iq_decoder_agrees(enum ggml_type type, void (*decode)(enum ggml_type type, const uint8_t * block, float * out)) {
     const struct ggml_type_traits * tr = ggml_get_type_traits(type);
-    const int bb = type == GGML_TYPE_IQ2_XXS ? BS_IQ2XXS_BYTES : type == GGML_TYPE_IQ2_XS ? BS_IQ2XS_BYTES : BS_IQ3S_BYTES;
+    const int bb = type == GGML_TYPE_IQ2_XXS ? BS_IQ2XXS_BYTES : type == GGML_TYPE_IQ2_XS ? BS_IQ2XS_BYTES
+                 : type == GGML_TYPE_IQ1_M ? BS_IQ1M_BYTES : BS_IQ3S_BYTES;
     uint8_t rb[BS_IQ3S_BYTES];
     float ref[256], got[256];
     uint32_t st = 0x9e3779b9u ^ (uint32_t)type;
@@ -145,7 +185,11 @@ bool bs_iq_decoder_agrees(enum ggml_type type, void (*decode)(enum ggml_type typ
             rb[i] = (uint8_t)(st >> 24);
         }
         static const uint16_t ds[4] = {0xB800, 0x2E66, 0x0400, 0x7BFF}; /* -0.5, 0.1, tiny, fp16 max */
-        memcpy(rb, &ds[rep], 2);
+        if (type == GGML_TYPE_IQ1_M) { /* d in the top nibbles of the four scale words */
+            for (int k = 0; k < 4; k++) rb[49 + 2 * k] = (uint8_t)((rb[49 + 2 * k] & 0x0f) | (((ds[rep] >> (4 * k)) & 0xf) << 4));
+        } else {
+            memcpy(rb, &ds[rep], 2);
+        }
         tr->to_float(rb, ref, 256);
         decode(type, rb, got);
         if (memcmp(got, ref, sizeof ref) != 0) {

@@ -160,9 +160,9 @@ def test_family_against_reference_every_type(type_splits, fam):
 
 @pytest.fixture(scope="module")
 def iq_splits(tmp_path_factory, tiny_f32):
-    """The tiny model split on IQ2_XXS, IQ2_XS and llama.cpp's IQ2_S mix (IQ2_XS with IQ3_S) bases
-    (split --base iq2_xxs|iq2_xs|iq2_s; made with an importance matrix of the shipped calibration
-    text)."""
+    """The tiny model split on IQ2_XXS, IQ2_XS, llama.cpp's IQ2_S mix (IQ2_XS with IQ3_S) and IQ1_M
+    bases (split --base iq2_xxs|iq2_xs|iq2_s|iq1_m; made with an importance matrix of the shipped
+    calibration text)."""
     from bitsplit_llama.formats.split import split_model
     from bitsplit_llama.tools.imatrix import calibration_text, compute_imatrix
 
@@ -170,7 +170,7 @@ def iq_splits(tmp_path_factory, tiny_f32):
     (d / "text.txt").write_text(calibration_text().read_text()[:6000])
     compute_imatrix(tiny_f32, d / "text.txt", d / "im.gguf", n_ctx=64, chunks=4, threads=2)
     out = {}
-    for base in ("iq2_xxs", "iq2_xs", "iq2_s"):
+    for base in ("iq2_xxs", "iq2_xs", "iq2_s", "iq1_m"):
         out[base] = d / base
         split_model(tiny_f32, out[base], base_ftype=base, imatrix=d / "im.gguf", threads=2)
     return out
@@ -178,28 +178,30 @@ def iq_splits(tmp_path_factory, tiny_f32):
 
 @pytest.mark.parametrize("fam", policy.ALL_FAMILIES)
 def test_family_against_reference_iq_bases(iq_splits, fam):
-    """IQ2_XXS and IQ2_XS bases: the tile families unpack them with their own SIMD code (tables read
-    from ggml's dequantizer); every family computes them (or hands them to one as precise) within
-    its bound, each column independent of the batch."""
+    """IQ2_XXS, IQ2_XS, IQ3_S and IQ1_M bases: the families of IQ_DECODERS unpack them with their own
+    SIMD code (tables read from ggml's dequantizer); every family computes them (or hands them to one
+    as precise) within its bound, each column independent of the batch."""
     _runs_here(fam)
     for base, split in iq_splits.items():
         with GGUFFile(split / "base.gguf") as b:
             types = {b.tensor(n).ggml_type for n in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight")}
-        assert {"iq2_xxs": 16, "iq2_xs": 17, "iq2_s": 17}[base] in types, (base, types)
+        assert {"iq2_xxs": 16, "iq2_xs": 17, "iq2_s": 17, "iq1_m": 29}[base] in types, (base, types)
         # a pinned family that cannot decode IQ types hands them to the policy's
         _check_family(split, fam, ("blk.0.ffn_down.weight", "blk.1.attn_q.weight"), n_cols=(1, 2, 3, 16, 17),
                       fallback=set(HERE))
-        if fam in IQ2_DECODERS:  # these decode the IQ2 blocks themselves, with SIMD
-            with Residual(split) as res, GGUFFile(split / "base.gguf") as b:
-                res.set_kernel(fam)
-                for n in _iq_names(res, b):
+        with Residual(split) as res, GGUFFile(split / "base.gguf") as b:
+            res.set_kernel(fam)
+            for n in _iq_names(res, b):
+                if fam in IQ_DECODERS[b.tensor(n).ggml_type]:  # these decode the blocks themselves, with SIMD
                     assert res.family_of(n, 17) == fam and res.family_of(n, 1) == fam, (fam, n)
 
 
-#: the families with their own IQ2_XXS / IQ2_XS / IQ3_S decoder (checked against ggml's at first use)
-IQ2_DECODERS = ("avx512-bf16", "amx-bf16", "avx2-f32")
-#: IQ2_XXS, IQ2_XS, IQ3_S
-IQ_TYPES = (16, 17, 21)
+#: the families with their own decoder of each IQ type (checked against ggml's at first use):
+#: IQ2_XXS, IQ2_XS, IQ3_S, IQ1_M
+IQ_DECODERS = {16: ("avx512-bf16", "amx-bf16", "avx2-f32"), 17: ("avx512-bf16", "amx-bf16", "avx2-f32"),
+               21: ("avx512-bf16", "amx-bf16", "avx2-f32"), 29: ("avx2-f32",)}
+IQ2_DECODERS = IQ_DECODERS[16]
+IQ_TYPES = tuple(IQ_DECODERS)
 
 
 def _iq_names(res, base) -> list[str]:
@@ -208,9 +210,9 @@ def _iq_names(res, base) -> list[str]:
 
 
 def test_iq2_bases_never_reach_the_scalar_family(iq_splits):
-    """No product on a CPU with SIMD falls to the portable family: on an IQ2_XXS / IQ2_XS / IQ3_S
-    base the policy picks a family that decodes it, at every batch size (AVX2-only CPUs: avx2-f32;
-    the CI runs this under each ISA cap)."""
+    """No product on a CPU with SIMD falls to the portable family: on an IQ2_XXS / IQ2_XS / IQ3_S /
+    IQ1_M base the policy picks a family that decodes it, at every batch size (AVX2-only CPUs:
+    avx2-f32; the CI runs this under each ISA cap)."""
     if not any(f in HERE for f in IQ2_DECODERS):
         pytest.skip(f"no family here decodes IQ2 (families: {', '.join(HERE)}): generic is all there is")
     for base, split in iq_splits.items():
@@ -219,6 +221,8 @@ def test_iq2_bases_never_reach_the_scalar_family(iq_splits):
             assert names, base
             if base == "iq2_s":  # the mix's IQ3_S quarter is among them
                 assert any(b.tensor(n).ggml_type == 21 for n in names), base
+            if base == "iq1_m":
+                assert any(b.tensor(n).ggml_type == 29 for n in names), base
             for n in names:
                 for cols in (1, 2, 4, 16, 17, 64):
                     assert res.family_of(n, cols) != "generic", (base, n, cols)

@@ -58,7 +58,7 @@ RESIDUAL_BPW = {"q4_k": 4.5, "q5_k": 5.5, "q6_k": 6.5625, "q8_0": 8.5}
 #: auto` only chooses measured pairs.
 FIDELITY_VS_Q8 = {
     ("q2_k", "q4_k"): 1.94, ("q2_k", "q5_k"): 0.59, ("q2_k", "q6_k"): 0.19, ("q2_k", "q8_0"): 0.054,
-    ("iq2_xxs", "q4_k"): 2.19, ("iq2_xxs", "q6_k"): 0.21, ("iq2_s", "q6_k"): 0.19,
+    ("iq2_xxs", "q4_k"): 2.19, ("iq2_xxs", "q6_k"): 0.21, ("iq2_s", "q6_k"): 0.19, ("iq1_m", "q6_k"): 0.24,
 }
 FIDELITY_SOURCE = ("measured by bitsplit eval on Qwen2.5-Coder-1.5B split from its Q4_K_M file, 4,096 tokens of "
                    "code and (Q2_K base, q4_k-q6_k) of English, the worse kept; not on this model, and a 16-bit "

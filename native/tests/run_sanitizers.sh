@@ -93,6 +93,7 @@ from bitsplit_llama.tools.imatrix import calibration_text, compute_imatrix
 (work / "text.txt").write_text(calibration_text().read_text()[:6000])
 compute_imatrix(dense, work / "text.txt", work / "im.gguf", n_ctx=64, chunks=4, threads=2)
 split_model(dense, work / "iq2", base_ftype="iq2_xxs", imatrix=work / "im.gguf", threads=2)  # IQ2_XXS base
+split_model(dense, work / "iq1m", base_ftype="iq1_m", imatrix=work / "im.gguf", threads=2)  # IQ1_M mix base
 EOF
 
 # --- run ----------------------------------------------------------------------------------------------
@@ -130,10 +131,11 @@ run moe-q8 "$WORK/moe-q8" --flips "$FLIPS" --quick --bad "$WORK/q6k/residual.ggu
 run f16 "$WORK/f16" --flips $((FLIPS / 3)) --quick --any "$WORK/q6k/residual.gguf"
 run q4k "$WORK/q4k" --flips $((FLIPS / 3)) --quick
 run iq2 "$WORK/iq2" --flips $((FLIPS / 3)) --quick
+run iq1m "$WORK/iq1m" --flips $((FLIPS / 3)) --quick
 
 elapsed=$(( $(date +%s) - T0 ))
 if [[ $status -ne 0 ]]; then
     BITSPLIT_SANITIZE_KEEP=1
     die "sanitizer run failed after ${elapsed}s (logs in $WORK)"
 fi
-say "PASS: 5 models, 0 sanitizer reports (ASan+UBSan, detect_leaks=$LEAKS), ${elapsed}s"
+say "PASS: 6 models, 0 sanitizer reports (ASan+UBSan, detect_leaks=$LEAKS), ${elapsed}s"

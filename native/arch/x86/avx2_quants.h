@@ -6,7 +6,8 @@
  * 16-31: D1/O1; the same for types with sub-blocks of 32). IQ2_XXS, IQ2_XS and IQ3_S (a family
  * that takes them defines AVX2_WITH_IQ2 and sets avx2_iq to iq2.c's tables after checking its
  * decoder): the signed grid value v as u = 128 + v, D = ggml's block scale (bs_iq_scale) and O =
- * -128 D, so that D u + O, one fused multiply-add, is ggml's D v exactly.
+ * -128 D, so that D u + O, one fused multiply-add, is ggml's D v exactly. IQ1_M likewise with v =
+ * 8 (grid + delta), an integer in [-9, 9], and D = ggml's d (2 s + 1) / 8.
  *
  * Internal to native/arch/x86; include after the TGT/INL macros are defined.
  */
@@ -14,14 +15,15 @@
 #define BS_AVX2_QUANTS_H
 
 enum { T_NONE, T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_Q8_0, T_Q4_0, T_Q4_1, T_IQ2_XXS, T_IQ2_XS, T_IQ3_S,
-       T_COUNT };
+       T_IQ1_M, T_COUNT };
 
 /* iq2.c's tables, for the family that takes IQ bases (NULL elsewhere: those never decode them) */
 static const bs_iq_tables * avx2_iq;
 
 /* the ggml type of an IQ code */
 static inline enum ggml_type iq_ggml(int t) {
-    return t == T_IQ2_XXS ? GGML_TYPE_IQ2_XXS : t == T_IQ2_XS ? GGML_TYPE_IQ2_XS : GGML_TYPE_IQ3_S;
+    return t == T_IQ2_XXS ? GGML_TYPE_IQ2_XXS : t == T_IQ2_XS ? GGML_TYPE_IQ2_XS : t == T_IQ1_M ? GGML_TYPE_IQ1_M
+                                                                                         : GGML_TYPE_IQ3_S;
 }
 
 static int tcode(const uint8_t * data, enum ggml_type t) {
@@ -38,13 +40,15 @@ static int tcode(const uint8_t * data, enum ggml_type t) {
         case GGML_TYPE_IQ2_XXS: return T_IQ2_XXS;
         case GGML_TYPE_IQ2_XS: return T_IQ2_XS;
         case GGML_TYPE_IQ3_S: return T_IQ3_S;
+        case GGML_TYPE_IQ1_M: return T_IQ1_M;
         default: return -1;
     }
 }
 
 /* elements per block and bytes per block of each code */
-static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256};
-static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20, BS_IQ2XXS_BYTES, BS_IQ2XS_BYTES, BS_IQ3S_BYTES};
+static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256, 256};
+static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20, BS_IQ2XXS_BYTES, BS_IQ2XS_BYTES, BS_IQ3S_BYTES,
+                                    BS_IQ1M_BYTES};
 
 typedef struct {
     const uint8_t * p;  /* the unit's first byte */
@@ -121,6 +125,17 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
             }
             break;
         }
+        case T_IQ1_M: { /* codes are 128 + 8 (grid + delta): D = ggml's d (2 s + 1) / 8, exact */
+            uint16_t h;
+            const uint16_t d16 = bs_iq1m_d16(b);
+            memcpy(&h, &d16, 2);
+            const float d = _cvtsh_ss(h);
+            for (int j = 0; j < 16; j++) {
+                s->D[j] = bs_iq1m_scale(d, b, j / 2, j % 2) * 0.125f;
+                s->O[j] = -128.0f * s->D[j];
+            }
+            break;
+        }
         default:
             break; /* block-32 types read their scale per group */
     }
@@ -187,6 +202,17 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
             const __m256i v = _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg); /* -magnitude where negative */
             return _mm256_add_epi8(v, _mm256_set1_epi8((char)0x80));
         }
+        case T_IQ1_M: { /* 4 grid entries of 8 (bytes 128 + 8 g), each moved by its delta (+-1/8, so +-1) */
+            const uint8_t * qs = b + 4 * g, * qh = b + 32 + 2 * g;
+            const uint64_t * grid = avx2_iq->iq1m_grid, up = 0x0101010101010101ull, down = ~0ull;
+            const __m256i e = _mm256_setr_epi64x((long long)grid[qs[0] | ((qh[0] & 0x07) << 8)],
+                                                 (long long)grid[qs[1] | ((qh[0] & 0x70) << 4)],
+                                                 (long long)grid[qs[2] | ((qh[1] & 0x07) << 8)],
+                                                 (long long)grid[qs[3] | ((qh[1] & 0x70) << 4)]);
+            const __m256i dl = _mm256_setr_epi64x((long long)(qh[0] & 0x08 ? down : up), (long long)(qh[0] & 0x80 ? down : up),
+                                                  (long long)(qh[1] & 0x08 ? down : up), (long long)(qh[1] & 0x80 ? down : up));
+            return _mm256_add_epi8(e, dl);
+        }
         case T_Q4_0:
         case T_Q4_1: { /* Q4_0: W = d (q - 8); Q4_1: W = d q + m; low nibbles are values 0..15 */
             const __m128i q = _mm_loadu_si128((const __m128i *)(b + (t == T_Q4_1 ? 20 : 18) * g + (t == T_Q4_1 ? 4 : 2)));
@@ -202,7 +228,7 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
 INL __m256i gcodes(int t, const ustate * s, int g, float * D0, float * O0, float * D1, float * O1) {
     const uint8_t * b = s->p;
     switch (t) {
-        case T_Q2_K: case T_Q3_K: case T_Q6_K: case T_IQ2_XXS: case T_IQ2_XS: case T_IQ3_S: {
+        case T_Q2_K: case T_Q3_K: case T_Q6_K: case T_IQ2_XXS: case T_IQ2_XS: case T_IQ3_S: case T_IQ1_M: {
             const int k = 2 * g; /* sub-blocks of 16 */
             *D0 = s->D[k], *O0 = s->O[k], *D1 = s->D[k + 1], *O1 = s->O[k + 1];
             break;
@@ -329,8 +355,9 @@ typedef void (*avx2_rows_fn)(const bs_job *, int64_t, int64_t, bs_scratch *);
      rows_##B##_T_Q5_K}
 /* the IQ2 bases' bodies and table rows where the family takes them (else their rows stay NULL) */
 #ifdef AVX2_WITH_IQ2
-#define AVX2_IQ2_BODIES AVX2_BODIES(T_IQ2_XXS) AVX2_BODIES(T_IQ2_XS) AVX2_BODIES(T_IQ3_S)
-#define AVX2_IQ2_ROWS , [T_IQ2_XXS] = AVX2_ROW(T_IQ2_XXS), [T_IQ2_XS] = AVX2_ROW(T_IQ2_XS), [T_IQ3_S] = AVX2_ROW(T_IQ3_S)
+#define AVX2_IQ2_BODIES AVX2_BODIES(T_IQ2_XXS) AVX2_BODIES(T_IQ2_XS) AVX2_BODIES(T_IQ3_S) AVX2_BODIES(T_IQ1_M)
+#define AVX2_IQ2_ROWS , [T_IQ2_XXS] = AVX2_ROW(T_IQ2_XXS), [T_IQ2_XS] = AVX2_ROW(T_IQ2_XS), [T_IQ3_S] = AVX2_ROW(T_IQ3_S), \
+                      [T_IQ1_M] = AVX2_ROW(T_IQ1_M)
 #else
 #define AVX2_IQ2_BODIES
 #define AVX2_IQ2_ROWS

@@ -15,7 +15,7 @@
  * batch. Unpackers: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (superblocks of 256), Q8_0, Q4_0, Q4_1 (blocks
  * of 32): every type llama.cpp's Q2_K mix puts in a base and every quantized residual type; and
  * the IQ2_XXS / IQ2_XS / IQ3_S bases (split --base iq2_xxs|iq2_s), once this decoder agrees with
- * ggml's bit for bit (iq2.c); IQ1_M still goes through ggml's dequantizer (the generic family).
+ * ggml's bit for bit (iq2.c); likewise the IQ1_M base (split --base iq1_m).
  */
 #if defined(__x86_64__)
 
@@ -100,7 +100,7 @@ TGT static void avx2_deq_block(int t, const uint8_t * b, float * out) {
 
 static void avx2_deq_iq(enum ggml_type type, const uint8_t * b, float * out) { avx2_deq_block(tcode(b, type), b, out); }
 
-static bool avx2_iq2_ready, avx2_iq3s_ready;
+static bool avx2_iq2_ready, avx2_iq3s_ready, avx2_iq1m_ready;
 static pthread_once_t avx2_iq_once = PTHREAD_ONCE_INIT;
 
 static void avx2_iq_init(void) {
@@ -108,18 +108,20 @@ static void avx2_iq_init(void) {
     avx2_iq2_ready = avx2_iq->iq2_ok && bs_iq_decoder_agrees(GGML_TYPE_IQ2_XXS, avx2_deq_iq) &&
                      bs_iq_decoder_agrees(GGML_TYPE_IQ2_XS, avx2_deq_iq);
     avx2_iq3s_ready = avx2_iq->iq3s_ok && bs_iq_decoder_agrees(GGML_TYPE_IQ3_S, avx2_deq_iq);
+    avx2_iq1m_ready = avx2_iq->iq1m_ok && bs_iq_decoder_agrees(GGML_TYPE_IQ1_M, avx2_deq_iq);
 }
 
 /* iq2.c's tables read and this family's decoder of the type checked against ggml (once; AVX2
  * CPUs only) */
 static bool avx2_iq_ok(enum ggml_type type) {
     pthread_once(&avx2_iq_once, avx2_iq_init);
-    return type == GGML_TYPE_IQ3_S ? avx2_iq3s_ready : avx2_iq2_ready;
+    return type == GGML_TYPE_IQ3_S ? avx2_iq3s_ready : type == GGML_TYPE_IQ1_M ? avx2_iq1m_ready : avx2_iq2_ready;
 }
 
 static bool avx2_supports(const bs_job * job) {
     if (job->w2 != NULL &&
-        (job->w2_type == GGML_TYPE_IQ2_XXS || job->w2_type == GGML_TYPE_IQ2_XS || job->w2_type == GGML_TYPE_IQ3_S)) {
+        (job->w2_type == GGML_TYPE_IQ2_XXS || job->w2_type == GGML_TYPE_IQ2_XS || job->w2_type == GGML_TYPE_IQ3_S ||
+         job->w2_type == GGML_TYPE_IQ1_M)) {
         bs_job rest = *job; /* the precision and the residual as for any base */
         rest.w2 = NULL;
         return job->K % 256 == 0 && bs_f32_family_supports(&rest) && avx2_fma_f16c() && avx2_iq_ok(job->w2_type);
