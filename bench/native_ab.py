@@ -3,7 +3,7 @@ products (one pass over every 2-D weight with a residual, W2 + R) with library A
 interleaved pass by pass (A, B then B, A), so that a shared machine's drift hits both alike.
 
     python bench/native_ab.py LIB_A LIB_B SPLIT_DIR [--batches 1,2,4] [--rounds 8] [--threads N]
-                              [--only NAME_PART] [--kernel FAMILY]
+                              [--only NAME_PART] [--kernel FAMILY] [--kernel-b FAMILY]
 
 LIB_A / LIB_B: libbitsplit.so files, e.g. the path `bitsplit build-native` prints in each of two
 checkouts (or a path under ~/.cache/bitsplit-llama/native/). Prints per batch the best and median
@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--only", default="", help="only the weights whose name contains this")
     ap.add_argument("--kernel", default=None, help="pin this family in both (default: the policy's per batch)")
+    ap.add_argument("--kernel-b", default=None, help="pin this family in B instead (a change against another "
+                                                     "family's arithmetic; the results then differ)")
     a = ap.parse_args()
     from bitsplit_llama.runtime.llamacpp import default_threads
 
@@ -68,7 +70,8 @@ def main() -> None:
     xs = {b: {n: rng.standard_normal((b, ne[0])).astype(np.float32) for n, ne in names} for b in batches}
 
     def one_pass(r, b: int) -> tuple[float, list]:
-        r.set_kernel(a.kernel) if a.kernel else r.choose_decode_kernel(b)
+        k = a.kernel_b if r is libs[1] and a.kernel_b else a.kernel
+        r.set_kernel(k) if k else r.choose_decode_kernel(b)
         t0 = time.perf_counter()
         out = [r.matmul(n, xs[b][n], with_base=True) for n, _ in names]
         return time.perf_counter() - t0, out
@@ -83,7 +86,7 @@ def main() -> None:
             for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
                 times[(i, b)].append(one_pass(libs[i], b)[0])
     print(f"{a.split}: {len(names)} products, {threads} threads, {a.rounds} rounds, kernel "
-          f"{a.kernel or 'policy'}; A = {a.lib_a}, B = {a.lib_b}")
+          f"{a.kernel or 'policy'}{f' (B: {a.kernel_b})' if a.kernel_b else ''}; A = {a.lib_a}, B = {a.lib_b}")
     for b in batches:
         ta, tb = times[(0, b)], times[(1, b)]
         ratio = statistics.median(y / x for x, y in zip(ta, tb))
