@@ -174,9 +174,11 @@ const bs_iq_tables * bs_iq_get_tables(void) {
 
 bool bs_iq_decoder_agrees(enum ggml_type type, void (*decode)(enum ggml_type type, const uint8_t * block, float * out)) {
     const struct ggml_type_traits * tr = ggml_get_type_traits(type);
-    const int bb = type == GGML_TYPE_IQ2_XXS ? BS_IQ2XXS_BYTES : type == GGML_TYPE_IQ2_XS ? BS_IQ2XS_BYTES
-                 : type == GGML_TYPE_IQ1_M ? BS_IQ1M_BYTES : BS_IQ3S_BYTES;
-    uint8_t rb[BS_IQ3S_BYTES];
+    uint8_t rb[BS_IQ3S_BYTES]; /* the largest of these blocks */
+    if (tr == NULL || tr->to_float == NULL || tr->blck_size != 256 || tr->type_size > sizeof rb) {
+        return false;
+    }
+    const int bb = (int)tr->type_size; /* the read_* functions checked it against the layouts above */
     float ref[256], got[256];
     uint32_t st = 0x9e3779b9u ^ (uint32_t)type;
     for (int rep = 0; rep < 4; rep++) {

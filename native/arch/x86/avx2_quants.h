@@ -126,10 +126,7 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
             break;
         }
         case T_IQ1_M: { /* codes are 128 + 8 (grid + delta): D = ggml's d (2 s + 1) / 8, exact */
-            uint16_t h;
-            const uint16_t d16 = bs_iq1m_d16(b);
-            memcpy(&h, &d16, 2);
-            const float d = _cvtsh_ss(h);
+            const float d = _cvtsh_ss(bs_iq1m_d16(b));
             for (int j = 0; j < 16; j++) {
                 s->D[j] = bs_iq1m_scale(d, b, j / 2, j % 2) * 0.125f;
                 s->O[j] = -128.0f * s->D[j];
