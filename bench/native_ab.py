@@ -3,7 +3,7 @@ products (one pass over every 2-D weight with a residual, W2 + R) with library A
 interleaved pass by pass (A, B then B, A), so that a shared machine's drift hits both alike.
 
     python bench/native_ab.py LIB_A LIB_B SPLIT_DIR [--batches 1,2,4] [--rounds 8] [--threads N]
-                              [--only NAME_PART] [--kernel FAMILY] [--kernel-b FAMILY]
+                              [--only NAME_PART] [--kernel FAMILY] [--kernel-b FAMILY] [--residual-only]
 
 LIB_A / LIB_B: libbitsplit.so files, e.g. the path `bitsplit build-native` prints in each of two
 checkouts (or a path under ~/.cache/bitsplit-llama/native/). Prints per batch the best and median
@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--only", default="", help="only the weights whose name contains this")
+    ap.add_argument("--residual-only", action="store_true", help="R . x alone (the CPU's half when the base "
+                    "is on a GPU) instead of (W2 + R) . x")
     ap.add_argument("--kernel", default=None, help="pin this family in both (default: the policy's per batch)")
     ap.add_argument("--kernel-b", default=None, help="pin this family in B instead (a change against another "
                                                      "family's arithmetic; the results then differ)")
@@ -73,7 +75,7 @@ def main() -> None:
         k = a.kernel_b if r is libs[1] and a.kernel_b else a.kernel
         r.set_kernel(k) if k else r.choose_decode_kernel(b)
         t0 = time.perf_counter()
-        out = [r.matmul(n, xs[b][n], with_base=True) for n, _ in names]
+        out = [r.matmul(n, xs[b][n], with_base=not a.residual_only) for n, _ in names]
         return time.perf_counter() - t0, out
 
     for b in batches:  # warm-up, and the same results from both

@@ -10,7 +10,11 @@
  * within 1/128 of the largest), kept as two signed byte digits X = 255*d1 + d0 with d0, d1 in
  * [-127, 127] (base 255, so that no digit is -128: Q8_0's sign trick below negates digits), plus
  * the sums of X over each 16 values. The fast drafter (base alone) keeps one digit: 8-bit
- * activations, as ggml's own K-quant products use.
+ * activations, as ggml's own K-quant products use. A verify pass's product of the residual alone
+ * (add mode: the device computes W2 . x) takes the high digit alone, d1 = round(X / 255) (8 bits,
+ * half the multiplies), in every block whose largest value is within HI_SPAN times its mean
+ * magnitude; a block with an outlier keeps both digits (one scale per 256 values would flatten the
+ * outlier's neighbours). The choice is the column's own (from its integers), so batch-invariant.
  *
  * Weights: as in vnni-int24, every type is per group of 32 values an affine map of unsigned byte
  * codes, W = D u + O with D and O per half-group of 16 (avx2_quants.h); Q8_0 is taken as its
@@ -49,6 +53,7 @@
 #define XMAX1 127   /* one digit (the fast drafter) */
 #define PF_AHEAD 1024  /* bytes of each row read ahead of the unit being computed */
 #define FUSED_COLS 6   /* up to here each pair of columns decodes the weights again, in registers */
+#define HI_SPAN 16     /* the residual's 8-bit activations: blocks whose max is within 16x their mean |x| */
 
 /* the same jobs avx2-f32 takes (the types a split holds, rows a multiple of their block) */
 static bool int16_supports(const bs_job * job) { return bs_f32_family_supports(job); }
@@ -59,10 +64,12 @@ static int64_t qa_of(const bs_job * job) {
 }
 
 /* one column's activations: digits d0[K], d1[K], then xs16[K/16] (sums of X over 16 values, exact
- * in f32), then s[K/QA] (the block scales); 64-byte aligned */
+ * in f32), xh16[K/16] (sums of 255 d1 over 16 values: the residual's offsets, below), s[K/QA] (the
+ * block scales), then hi[K/QA] (1 where the residual takes the block's high digit alone); 64-byte
+ * aligned */
 static size_t col_bytes(const bs_job * job) {
-    const size_t K = (size_t)job->K;
-    const size_t n = 2 * K + (K / 16 + K / (size_t)qa_of(job)) * sizeof(float);
+    const size_t K = (size_t)job->K, nb = K / (size_t)qa_of(job);
+    const size_t n = 2 * K + (2 * (K / 16) + nb) * sizeof(float) + nb;
     return (n + 63) & ~(size_t)63;
 }
 
@@ -84,7 +91,8 @@ TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
         const float * x = job->x + c * job->ldx;
         uint8_t * col = (uint8_t *)job->acts + (size_t)c * cb;
         int8_t * d0 = (int8_t *)col, * d1 = (int8_t *)col + K;
-        float * xs16 = (float *)(col + 2 * K), * sv = xs16 + K / 16;
+        float * xs16 = (float *)(col + 2 * K), * xh16 = xs16 + K / 16, * sv = xh16 + K / 16;
+        uint8_t * hiv = (uint8_t *)(sv + K / qa);
         for (int64_t t = 0; t < K / qa; t++) {
             const float * xb = x + t * qa;
             __m256 mx = _mm256_setzero_ps();
@@ -97,16 +105,19 @@ TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
             const float amax = _mm_cvtss_f32(m);
             sv[t] = amax / (float)xmax;
             const __m256 inv = _mm256_set1_ps(amax > 0.0f ? (float)xmax / amax : 0.0f);
+            __m256i sabs = _mm256_setzero_si256(); /* sum |X| over the block (<= 256 * 32512: exact) */
             for (int64_t i = 0; i < qa; i += 16) {
-                __m256i sum = _mm256_setzero_si256();
+                __m256i sum = _mm256_setzero_si256(), sumh = _mm256_setzero_si256();
                 for (int64_t j = i; j < i + 16; j += 8) {
                     __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), inv));
                     X = _mm256_max_epi32(_mm256_min_epi32(X, lim), nlim); /* the rounding at the range's edge */
                     sum = _mm256_add_epi32(sum, X);
+                    sabs = _mm256_add_epi32(sabs, _mm256_abs_epi32(X));
                     /* X = 255 hi + lo, hi = round(X / 255) (never a tie: 255 is odd), |lo| <= 127 */
                     const __m256i hi = coarse ? _mm256_setzero_si256()
                                               : _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(X), inv255));
                     const __m256i lo = _mm256_sub_epi32(X, _mm256_mullo_epi32(hi, k255));
+                    sumh = _mm256_add_epi32(sumh, hi);
                     const __m256i blo = _mm256_shuffle_epi8(lo, pick), bhi = _mm256_shuffle_epi8(hi, pick);
                     int32_t l4[2], h4[2];
                     l4[0] = _mm256_extract_epi32(blo, 0), l4[1] = _mm256_extract_epi32(blo, 4);
@@ -119,7 +130,19 @@ TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
                 s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
                 s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
                 xs16[(t * qa + i) / 16] = (float)_mm_cvtsi128_si32(s4);
+                /* and of 255 d1 (|sum| <= 16 * 255 * 127 < 2^24: exact) */
+                __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(sumh), _mm256_extracti128_si256(sumh, 1));
+                h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0x4E));
+                h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0xB1));
+                xh16[(t * qa + i) / 16] = 255.0f * (float)_mm_cvtsi128_si32(h4);
             }
+            /* the residual takes the high digit alone (8 bits) unless the block's largest value is
+             * more than HI_SPAN times its mean magnitude (an outlier, whose scale would flatten its
+             * neighbours): decided from the column's own integers, so batch-invariant */
+            __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(sabs), _mm256_extracti128_si256(sabs, 1));
+            a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0x4E));
+            a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0xB1));
+            hiv[t] = !coarse && (int64_t)HI_SPAN * _mm_cvtsi128_si32(a4) >= qa * (int64_t)xmax;
         }
     }
 }
@@ -241,15 +264,36 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
     a->f[g & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), D, a->f[g & 1]);
 }
 
-/* the half's value over the unit for one column (before the block scale s) */
-INL __m256 sums_end(int t, bool coarse, int ng, const sums * a, const unit_buf * h, const float * xs16) {
+/* the activations of column c from value k0: digits, sums of 16, block scale */
+typedef struct {
+    const int8_t * d0, * d1;
+    const float * xs16, * xh16;
+    float s;
+    bool hi; /* the residual takes the high digit alone */
+} colp;
+
+/* one group of the residual for one column: the high digit alone where hi (the column's block
+ * allows it; a constant where inlined: decided per unit, outside the groups' loop) */
+INL void apply_r(int t, bool coarse, bool hi, int g, __m256i u, __m256i q, __m256i G, __m256 D, const colp * a,
+                 sums * s) {
+    if (coarse || !hi) {
+        apply_group(t, coarse, g, u, q, G, D, a->d0 + 32 * g, a->d1 + 32 * g, s);
+    } else {
+        apply_group(t, true, g, u, q, G, D, a->d1 + 32 * g, NULL, s);
+    }
+}
+
+/* the half's value over the unit for one column (before the block scale s); hi: the sums are of
+ * the high digit alone (the residual's, in a verify pass), xs16 then its sums xh16 */
+INL __m256 sums_end(int t, bool coarse, bool hi, int ng, const sums * a, const unit_buf * h, const float * xs16) {
     __m256 v;
     if (superblock(t)) {
         const __m256 T = coarse ? _mm256_cvtepi32_ps(a->il)
                                 : _mm256_fmadd_ps(_mm256_cvtepi32_ps(a->ih), _mm256_set1_ps(255.0f), _mm256_cvtepi32_ps(a->il));
-        v = _mm256_mul_ps(T, _mm256_set1_ps(h->d));
+        v = _mm256_mul_ps(T, _mm256_set1_ps(hi ? 255.0f * h->d : h->d));
     } else {
         v = _mm256_add_ps(a->f[0], a->f[1]);
+        if (hi) v = _mm256_mul_ps(v, _mm256_set1_ps(255.0f));
     }
     if (t == T_Q8_0) {
         return v; /* no offset */
@@ -264,30 +308,35 @@ INL __m256 sums_end(int t, bool coarse, int ng, const sums * a, const unit_buf *
     return _mm256_add_ps(v, _mm256_castps128_ps256(_mm_mul_ps(o, x)));
 }
 
+/* the residual's value over the unit for one column (as apply_r took its digits) */
+INL __m256 sums_r(int t, bool coarse, bool hi, int ng, const sums * s, const unit_buf * h, const colp * a) {
+    if (coarse || !hi) {
+        return sums_end(t, coarse, false, ng, s, h, a->xs16);
+    }
+    return sums_end(t, true, true, ng, s, h, a->xh16);
+}
+
 INL void prefetch_ahead(const uint8_t * p, size_t n, const uint8_t * end) {
     for (size_t o = 0; o < n; o += 64) {
         if (p + PF_AHEAD + o < end) _mm_prefetch((const char *)(p + PF_AHEAD + o), _MM_HINT_T0);
     }
 }
 
-/* the activations of column c from value k0: digits, sums of 16, block scale */
-typedef struct {
-    const int8_t * d0, * d1;
-    const float * xs16;
-    float s;
-} colp;
 
 INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
     const int64_t K = job->K;
     const uint8_t * col = (const uint8_t *)job->acts + (size_t)c * cb;
     const float * xs16 = (const float *)(col + 2 * K);
-    colp a = {(const int8_t *)col + k0, (const int8_t *)col + K + k0, xs16 + k0 / 16, xs16[K / 16 + k0 / qa]};
+    const float * sv = xs16 + 2 * (K / 16);
+    colp a = {(const int8_t *)col + k0, (const int8_t *)col + K + k0, xs16 + k0 / 16, xs16 + K / 16 + k0 / 16,
+              sv[k0 / qa], ((const uint8_t *)(sv + K / qa))[k0 / qa] != 0};
     return a;
 }
 
 /* group g of one unit applied to ncb columns (base half first) */
 INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr, unit_buf * hb,
-                     unit_buf * hr, int g, const colp * a, int ncb, sums * ab, sums * ar, bool coarse) {
+                     unit_buf * hr, int g, const colp * a, int ncb, sums * ab, sums * ar, bool coarse, bool h0,
+                     bool h1) {
     __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
     __m256 D = _mm256_setzero_ps();
     if (bt != T_NONE) {
@@ -296,19 +345,20 @@ INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m
     }
     if (rt != T_NONE) {
         decode_group(rt, rp, Sr, g, hr, &u, &q, &G, &D);
-        for (int j = 0; j < ncb; j++) apply_group(rt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ar[j]);
+        /* the residual: the high digit alone (8-bit activations) in a verify pass */
+        for (int j = 0; j < ncb; j++) apply_r(rt, coarse, j == 0 ? h0 : h1, g, u, q, G, D, &a[j], &ar[j]);
     }
 }
 
 /* One unit applied to columns c0 .. c0 + ncb - 1 (ncb = 1 or 2, a constant where inlined), each
- * group decoded in registers and applied to every column at once. */
-INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
-                    const uint8_t * rp, __m256i Sb, __m256i Sr, unit_buf * hb, unit_buf * hr, int64_t k0, int64_t c0,
-                    int ncb, __m256 * tot, bool coarse) {
-    colp a[2];
+ * group decoded in registers and applied to every column at once; h0 / h1: whether the residual
+ * takes columns c0 / c0 + 1's high digit alone (constants: fused_unit chooses the body). */
+INL void fused_unit_body(const bs_job * job, int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp,
+                         __m256i Sb, __m256i Sr, unit_buf * hb, unit_buf * hr, const colp * a, int64_t c0, int ncb,
+                         __m256 * tot, bool coarse, bool h0, bool h1) {
+    (void)job;
     sums ab[2], ar[2];
     for (int j = 0; j < ncb; j++) {
-        a[j] = col_at(job, cb, c0 + j, k0, qa);
         sums_init(&ab[j]);
         sums_init(&ar[j]);
     }
@@ -317,18 +367,62 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
          * groups' codes and scales and spills them (a third of the time at 2 columns, measured) */
         _Pragma("GCC unroll 1") for (int n = 0; n < 2; n++) {
             _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
-                fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 4 * n + i, a, ncb, ab, ar, coarse);
+                fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 4 * n + i, a, ncb, ab, ar, coarse, h0, h1);
             }
         }
     } else {
-        fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 0, a, ncb, ab, ar, coarse);
+        fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 0, a, ncb, ab, ar, coarse, h0, h1);
     }
     for (int j = 0; j < ncb; j++) {
         __m256 v = _mm256_setzero_ps();
-        if (bt != T_NONE) v = sums_end(bt, coarse, ng, &ab[j], hb, a[j].xs16);
-        if (rt != T_NONE) v = _mm256_add_ps(v, sums_end(rt, coarse, ng, &ar[j], hr, a[j].xs16));
+        if (bt != T_NONE) v = sums_end(bt, coarse, false, ng, &ab[j], hb, a[j].xs16);
+        if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, j == 0 ? h0 : h1, ng, &ar[j], hr, &a[j]));
         tot[c0 + j] = _mm256_fmadd_ps(_mm256_set1_ps(a[j].s), v, tot[c0 + j]);
     }
+}
+
+/* whether the residual takes this column's high digit alone over the unit: in a verify pass's
+ * product of the residual alone (add mode: the device computes W2 . x), where the column's block
+ * has no outlier. With the base in the product both halves keep two digits: measured on a 2-core
+ * Zen 3 (bench/native_ab.py, W2 + R, Qwen2.5-Coder-1.5B q6_k split), the high digit alone for R
+ * saved 0-7% at 1-4 columns and doubled the verifier's KL (0.052x -> 0.098x stock Q8_0's) */
+INL bool r_alone_hi(int bt, int rt, bool coarse, const colp * a) {
+    return bt == T_NONE && rt != T_NONE && !coarse && a->hi;
+}
+
+/* the body for these columns' digit choices, each a constant in it (a branch per group and column
+ * made the 2-column pass 1.19x slower, measured) */
+INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
+                    const uint8_t * rp, __m256i Sb, __m256i Sr, unit_buf * hb, unit_buf * hr, int64_t k0, int64_t c0,
+                    int ncb, __m256 * tot, bool coarse) {
+    colp a[2];
+    for (int j = 0; j < ncb; j++) a[j] = col_at(job, cb, c0 + j, k0, qa);
+    const bool h0 = r_alone_hi(bt, rt, coarse, &a[0]), h1 = ncb == 2 && r_alone_hi(bt, rt, coarse, &a[1]);
+    if (h0 && h1) {
+        fused_unit_body(job, bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, true, true);
+    } else if (h0) {
+        fused_unit_body(job, bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, true, false);
+    } else if (h1) {
+        fused_unit_body(job, bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, false, true);
+    } else {
+        fused_unit_body(job, bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, false, false);
+    }
+}
+
+/* one column's sums over a unit decoded in the L1 buffers (b, e), its residual's digits as hi says */
+INL __m256 buffered_unit(int bt, int rt, int ng, const unit_buf * b, const unit_buf * e, const colp * a, bool coarse,
+                         bool hi) {
+    sums ab, ar;
+    sums_init(&ab);
+    sums_init(&ar);
+    _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+        if (bt != T_NONE) apply_group(bt, coarse, g, b->u[g], b->q[g], b->G[g], b->D[g], a->d0 + 32 * g, a->d1 + 32 * g, &ab);
+        if (rt != T_NONE) apply_r(rt, coarse, hi, g, e->u[g], e->q[g], e->G[g], e->D[g], a, &ar);
+    }
+    __m256 v = _mm256_setzero_ps();
+    if (bt != T_NONE) v = sums_end(bt, coarse, false, ng, &ab, b, a->xs16);
+    if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, hi, ng, &ar, e, a));
+    return v;
 }
 
 /* Every (row, column) sees the same operations in the same order: per unit, each half's sums
@@ -381,16 +475,8 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
                  * column loop it would spill */
                 const unit_buf * b = hb, * e = hr;
                 __asm__("" : "+r"(b), "+r"(e));
-                sums ab, ar;
-                sums_init(&ab);
-                sums_init(&ar);
-                _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-                    if (bt != T_NONE) apply_group(bt, coarse, g, b->u[g], b->q[g], b->G[g], b->D[g], a.d0 + 32 * g, a.d1 + 32 * g, &ab);
-                    if (rt != T_NONE) apply_group(rt, coarse, g, e->u[g], e->q[g], e->G[g], e->D[g], a.d0 + 32 * g, a.d1 + 32 * g, &ar);
-                }
-                __m256 v = _mm256_setzero_ps();
-                if (bt != T_NONE) v = sums_end(bt, coarse, ng, &ab, b, a.xs16);
-                if (rt != T_NONE) v = _mm256_add_ps(v, sums_end(rt, coarse, ng, &ar, e, a.xs16));
+                const __m256 v = r_alone_hi(bt, rt, coarse, &a) ? buffered_unit(bt, rt, ng, b, e, &a, coarse, true)
+                                                                : buffered_unit(bt, rt, ng, b, e, &a, coarse, false);
                 tot[c] = _mm256_fmadd_ps(_mm256_set1_ps(a.s), v, tot[c]);
             }
         }
