@@ -70,17 +70,23 @@ def _act_rounded(fam: str, x: np.ndarray, types: tuple[int, ...], residual: bool
     return (X.astype(np.float64) * s).reshape(x.shape)
 
 
+def _block_bound(x: np.ndarray, W: np.ndarray, qa: int, div) -> np.ndarray:
+    """sum over blocks of qa values of max|x| / div times sum |W|: the largest |x W^T - x' W^T| when
+    each activation moves by at most its block's max / div (div: a number, or per row and block)."""
+    div = np.broadcast_to(np.asarray(div, np.float64), (x.shape[0], x.shape[1] // qa))
+    bound = np.zeros((x.shape[0], W.shape[0]))
+    for b, k0 in enumerate(range(0, x.shape[1], qa)):
+        amax = np.abs(x[:, k0:k0 + qa]).max(axis=1).astype(np.float64)
+        bound += (amax / div[:, b])[:, None] * np.abs(W[:, k0:k0 + qa]).sum(axis=1)[None, :]
+    return bound
+
+
 def _act_bound(fam: str, x: np.ndarray, W: np.ndarray, types: tuple[int, ...], residual: bool = False) -> np.ndarray:
     """The largest |x W^T - x' W^T| that family ``fam``'s rounding x' of the activations allows: per
     block, max|x| / (2 ACT_BITS) times sum |W| (16 bits), max|x| / 254 for the residual's 8 bits."""
-    qa = 256 if SUPERBLOCK_TYPES & set(types) else 32
     _, _, hi = _act_blocks(fam, x, types)
-    bound = np.zeros((x.shape[0], W.shape[0]))
-    for b, k0 in enumerate(range(0, x.shape[1], qa)):
-        amax = np.abs(x[:, k0:k0 + qa]).max(axis=1, keepdims=True).astype(np.float64)
-        step = np.where(residual & hi[:, b], 254.0, 2.0 * ACT_BITS[fam])
-        bound += amax / step * np.abs(W[:, k0:k0 + qa]).sum(axis=1)[None, :]
-    return bound
+    div = np.where(residual & hi[..., 0], 254.0, 2.0 * ACT_BITS[fam])
+    return _block_bound(x, W, 256 if SUPERBLOCK_TYPES & set(types) else 32, div)
 
 
 def _runs_here(fam: str) -> None:
@@ -123,6 +129,8 @@ def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5, fa
                     bound = _act_bound(actual, x, W, types, residual=not with_base)
                     assert np.all(np.abs(full - exact) <= bound * 1.001 + 1e-5 * np.abs(exact).max()), \
                         (fam, name, with_base)
+                    if with_base:  # 16-bit activations throughout
+                        assert np.abs(full - exact).max() / np.abs(exact).max() < 1e-3, (fam, name)
                 for n in n_cols:  # a column's result never depends on the rest of the batch
                     assert np.array_equal(res.matmul(name, x[:n], with_base=with_base), full[:n]), (fam, name, n)
             assert res.counters().n_errors == 0
@@ -426,10 +434,7 @@ def test_draft_matmul_is_the_fast_drafters_product(tiny_split, exact_split):
             assert y is not None and y.shape == (n, t.shape[1])
             ref = x.astype(np.float64) @ w2.T
             # each activation moves by at most half a step of its 256-block's max / 127
-            bound = np.zeros_like(ref)
-            for k0 in range(0, t.shape[0], 256):
-                amax = np.abs(x[:, k0:k0 + 256]).max(axis=1, keepdims=True).astype(np.float64)
-                bound += amax / 254.0 * np.abs(w2[:, k0:k0 + 256]).sum(axis=1)[None, :]
+            bound = _block_bound(x, w2, 256, 254.0)
             assert np.all(np.abs(y - ref) <= bound * 1.001 + 1e-5), (fam, n)
         with pytest.raises(InvalidOptionError):
             res.draft_matmul(name, np.zeros((2, t.shape[0] + 1), np.float32))

@@ -75,6 +75,14 @@ static size_t col_bytes(const bs_job * job) {
 
 static size_t int16_acts_size(const bs_job * job) { return (size_t)job->n_cols * col_bytes(job) + 64; }
 
+/* the sum of the 8 int32 lanes (exact: callers' sums stay far inside int32) */
+INL int32_t hsum8_epi32(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
+}
+
 TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
     const int64_t K = job->K, qa = qa_of(job);
     const bool coarse = job->draft; /* the fast drafter: one digit */
@@ -126,23 +134,14 @@ TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
                     memcpy(d1 + t * qa + j, h4, 8);
                 }
                 /* the sum of X over these 16 values: exact in f32 (|sum| <= 16 * 32512 < 2^24) */
-                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-                xs16[(t * qa + i) / 16] = (float)_mm_cvtsi128_si32(s4);
+                xs16[(t * qa + i) / 16] = (float)hsum8_epi32(sum);
                 /* and of 255 d1 (|sum| <= 16 * 255 * 127 < 2^24: exact) */
-                __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(sumh), _mm256_extracti128_si256(sumh, 1));
-                h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0x4E));
-                h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0xB1));
-                xh16[(t * qa + i) / 16] = 255.0f * (float)_mm_cvtsi128_si32(h4);
+                xh16[(t * qa + i) / 16] = 255.0f * (float)hsum8_epi32(sumh);
             }
             /* the residual takes the high digit alone (8 bits) unless the block's largest value is
              * more than HI_SPAN times its mean magnitude (an outlier, whose scale would flatten its
              * neighbours): decided from the column's own integers, so batch-invariant */
-            __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(sabs), _mm256_extracti128_si256(sabs, 1));
-            a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0x4E));
-            a4 = _mm_add_epi32(a4, _mm_shuffle_epi32(a4, 0xB1));
-            hiv[t] = !coarse && (int64_t)HI_SPAN * _mm_cvtsi128_si32(a4) >= qa * (int64_t)xmax;
+            hiv[t] = !coarse && (int64_t)HI_SPAN * hsum8_epi32(sabs) >= qa * (int64_t)xmax;
         }
     }
 }
@@ -322,7 +321,6 @@ INL void prefetch_ahead(const uint8_t * p, size_t n, const uint8_t * end) {
     }
 }
 
-
 INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
     const int64_t K = job->K;
     const uint8_t * col = (const uint8_t *)job->acts + (size_t)c * cb;
@@ -353,10 +351,9 @@ INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m
 /* One unit applied to columns c0 .. c0 + ncb - 1 (ncb = 1 or 2, a constant where inlined), each
  * group decoded in registers and applied to every column at once; h0 / h1: whether the residual
  * takes columns c0 / c0 + 1's high digit alone (constants: fused_unit chooses the body). */
-INL void fused_unit_body(const bs_job * job, int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp,
-                         __m256i Sb, __m256i Sr, unit_buf * hb, unit_buf * hr, const colp * a, int64_t c0, int ncb,
-                         __m256 * tot, bool coarse, bool h0, bool h1) {
-    (void)job;
+INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr,
+                         unit_buf * hb, unit_buf * hr, const colp * a, int64_t c0, int ncb, __m256 * tot, bool coarse,
+                         bool h0, bool h1) {
     sums ab[2], ar[2];
     for (int j = 0; j < ncb; j++) {
         sums_init(&ab[j]);
@@ -399,13 +396,13 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
     for (int j = 0; j < ncb; j++) a[j] = col_at(job, cb, c0 + j, k0, qa);
     const bool h0 = r_alone_hi(bt, rt, coarse, &a[0]), h1 = ncb == 2 && r_alone_hi(bt, rt, coarse, &a[1]);
     if (h0 && h1) {
-        fused_unit_body(job, bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, true, true);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, true, true);
     } else if (h0) {
-        fused_unit_body(job, bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, true, false);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, true, false);
     } else if (h1) {
-        fused_unit_body(job, bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, false, true);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, false, true);
     } else {
-        fused_unit_body(job, bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, false, false);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, false, false);
     }
 }
 
