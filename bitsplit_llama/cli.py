@@ -588,14 +588,18 @@ def doctor(
     from rich.table import Table
 
     isa = " ".join(k for k, v in p["isa"].items() if v) or "none of " + " ".join(p["isa"])
-    by_batch: dict[str, list[str]] = {}
-    for b, fam in p["kernel_by_batch"].items():
-        by_batch.setdefault(fam, []).append(b)
+    def by_family(kernel_by_batch: dict[str, str]) -> str:
+        by_batch: dict[str, list[str]] = {}
+        for b, fam in kernel_by_batch.items():
+            by_batch.setdefault(fam, []).append(b)
+        return "; ".join(f"batch {','.join(bs)}: {fam}" for fam, bs in by_batch.items())
+
     print(f"CPU          {p['cpu']} ({p['arch']}), {p['threads']} threads, {_fmt_bytes(p['physical_memory_bytes'])} RAM")
     print(f"ISA          {isa}")
     print(f"families     {', '.join(p['families'])} (cap BITSPLIT_MAX_ISA={p['max_isa']}); drafter: "
           f"{p['draft_kernel'] or 'ggml (no native drafting family)'}")
-    print("policy       " + "; ".join(f"batch {','.join(bs)}: {fam}" for fam, bs in by_batch.items()))
+    print("policy       W2 + R: " + by_family(p["kernel_by_batch"]))
+    print("             R alone (base on a device): " + by_family(p["kernel_by_batch_alone"]))
     print(f"memory       {p['memory_bandwidth_gb_s']:.1f} GB/s (threaded numpy reduction)")
     for d in p["devices"]:
         mem = f", {_fmt_bytes(d['memory_total_bytes'])}" if d["memory_total_bytes"] else ""

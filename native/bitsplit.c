@@ -275,13 +275,13 @@ const char * bitsplit_ctx_family_of(bitsplit_ctx * ctx, const char * name, int64
 const char * bitsplit_kernel_name(void) {
     const char * env = getenv("BITSPLIT_KERNEL");
     const bs_kernel_family * f = env != NULL && env[0] != '\0' ? bs_family_named(env) : NULL;
-    return f != NULL ? f->name : bs_policy(1, NULL)->name;
+    return f != NULL ? f->name : bs_policy(1, false, NULL)->name;
 }
 
-const char * bitsplit_kernel_for_batch(int64_t n_cols) {
+const char * bitsplit_kernel_for_batch(int64_t n_cols, bool residual_alone) {
     const char * env = getenv("BITSPLIT_KERNEL");
     const bs_kernel_family * f = env != NULL && env[0] != '\0' ? bs_family_named(env) : NULL;
-    return f != NULL ? f->name : bs_policy(n_cols < 1 ? 1 : n_cols, NULL)->name;
+    return f != NULL ? f->name : bs_policy(n_cols < 1 ? 1 : n_cols, residual_alone, NULL)->name;
 }
 
 const char * bitsplit_draft_kernel(void) {
@@ -302,7 +302,7 @@ const char * bitsplit_max_isa(void) {
 
 int bitsplit_kernel_families(const char ** names, int max) {
     const bs_kernel_family * list[BS_MAX_FAMILIES];
-    const int n = bs_policy_list(1, NULL, list, BS_MAX_FAMILIES);
+    const int n = bs_policy_list(1, false, NULL, list, BS_MAX_FAMILIES);
     for (int i = 0; i < n && i < max; i++) {
         names[i] = list[i]->name;
     }
@@ -326,12 +326,12 @@ int bitsplit_ctx_set_kernel(bitsplit_ctx * ctx, const char * name) {
     return BITSPLIT_OK;
 }
 
-const char * bitsplit_ctx_choose_kernel(bitsplit_ctx * ctx, int64_t n_cols) {
+const char * bitsplit_ctx_choose_kernel(bitsplit_ctx * ctx, int64_t n_cols, bool residual_alone) {
     if (ctx == NULL) {
         return "";
     }
     if (!ctx->pin_all) {
-        ctx->pinned = bs_policy(n_cols < 1 ? 1 : n_cols, NULL);
+        ctx->pinned = bs_policy(n_cols < 1 ? 1 : n_cols, residual_alone, NULL);
     }
     return ctx->pinned->name;
 }
@@ -340,5 +340,5 @@ const char * bitsplit_ctx_kernel(const bitsplit_ctx * ctx) {
     if (ctx == NULL) {
         return "";
     }
-    return ctx->pinned != NULL ? ctx->pinned->name : bs_policy(1, NULL)->name;
+    return ctx->pinned != NULL ? ctx->pinned->name : bs_policy(1, false, NULL)->name;
 }

@@ -154,8 +154,9 @@ const char * bitsplit_ctx_family_of(bitsplit_ctx * ctx, const char * name, int64
 
 /* the family the policy picks for one column (or the one BITSPLIT_KERNEL names) */
 const char * bitsplit_kernel_name(void);
-/* the family the policy picks for a quantized product of n_cols columns */
-const char * bitsplit_kernel_for_batch(int64_t n_cols);
+/* the family the policy picks for a quantized product of n_cols columns: W2 + R, or the residual
+ * alone (add mode: the device computes W2 . x) */
+const char * bitsplit_kernel_for_batch(int64_t n_cols, bool residual_alone);
 /* the families this CPU runs under the cap, fastest for one column first; returns how many
  * (names[] gets at most max of them) */
 int bitsplit_kernel_families(const char ** names, int max);
@@ -170,8 +171,9 @@ int bitsplit_draft_min_cols(void);
  * the policy, except in batch-invariant mode: every pass): NULL or "" unpins. BITSPLIT_E_UNSUPPORTED if this CPU cannot run it (under the cap).
  * One family for every pass of a generation keeps speculative output identical to plain decoding. */
 int bitsplit_ctx_set_kernel(bitsplit_ctx * ctx, const char * name);
-/* pin the family the policy picks for decode passes of n_cols columns; returns its name */
-const char * bitsplit_ctx_choose_kernel(bitsplit_ctx * ctx, int64_t n_cols);
+/* pin the family the policy picks for decode passes of n_cols columns whose products are W2 + R,
+ * or R alone (residual_alone: the base's layers on a device); returns its name */
+const char * bitsplit_ctx_choose_kernel(bitsplit_ctx * ctx, int64_t n_cols, bool residual_alone);
 /* the pinned family, or the policy's pick for one column */
 const char * bitsplit_ctx_kernel(const bitsplit_ctx * ctx);
 

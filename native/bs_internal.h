@@ -92,6 +92,9 @@ typedef struct bs_kernel_family {
     /* the policy prefers this family for products of up to this many columns only (measured
      * crossover with the next family); 0: any batch */
     int max_cols;
+    /* the same for products of the residual alone (add mode: the device computes W2 . x), which
+     * cost a family less per column than W2 + R; 0: max_cols holds for them too */
+    int alone_max_cols;
     /* weights used as they are (integer or f32 arithmetic), not rounded to bf16: where a pinned
      * family cannot compute a verifier product, one of these takes it (bs_precise_policy) */
     bool exact_weights;
@@ -106,10 +109,12 @@ bool bs_isa_cap(int * cap);
 const char * bs_isa_name(int isa);
 /* the family named `name` if this CPU runs it under the cap, else NULL */
 const bs_kernel_family * bs_family_named(const char * name);
-/* usable families in the policy's order for a batch of n_cols (job: only those that support it) */
-int bs_policy_list(int64_t n_cols, const bs_job * job, const bs_kernel_family ** out, int max);
-/* the policy's family for a product (job may be NULL: a quantized product of n_cols columns) */
-const bs_kernel_family * bs_policy(int64_t n_cols, const bs_job * job);
+/* usable families in the policy's order for a batch of n_cols (job: only those that support it;
+ * alone: products of the residual alone, as a job without base is) */
+int bs_policy_list(int64_t n_cols, bool alone, const bs_job * job, const bs_kernel_family ** out, int max);
+/* the policy's family for a product (job may be NULL: a quantized product of n_cols columns, with
+ * the base unless alone) */
+const bs_kernel_family * bs_policy(int64_t n_cols, bool alone, const bs_job * job);
 /* the first family in the policy's order for n_cols that computes the job with exact weights
  * (else bs_policy's): where the pinned family does not compute a verifier product (vnni-int24 and
  * a Q4_0 base, say), the product keeps the verifier's precision instead of going to a bf16 family */

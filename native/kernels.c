@@ -160,7 +160,10 @@ extern const bs_kernel_family bs_family_neon_f32;    /* arch/arm/kernels_neon.c 
  * with the tile kernels is 4-5 columns on a 2-core Xeon, avx2-int16's with avx2-f32 6-7 columns on
  * a 2-core Zen 3; avxvnni-int16, the same integers with AVX-VNNI, before avx2-int16). Larger batches (trees, prompts, evaluation): the tile kernels, whose
  * cost barely grows with the batch. Then the plain SIMD families of the architecture (on AVX2,
- * avx2-int16 up to its max_cols, then avx2-f32), then generic. */
+ * avx2-int16 up to its max_cols, then avx2-f32), then generic. Products of the residual alone (add
+ * mode) keep the small-batch order at every size, each family to its alone_max_cols where it has
+ * one: avx2-int16 takes one activation digit there, half its multiplies, and stays ahead of
+ * avx2-f32 to 32 columns. */
 static const bs_kernel_family * const order_small[] = {
 #if defined(__x86_64__)
     &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avxvnni_int16, &bs_family_avx2_int16,
@@ -229,17 +232,30 @@ const bs_kernel_family * bs_family_named(const char * name) {
     return NULL;
 }
 
-int bs_policy_list(int64_t n_cols, const bs_job * job, const bs_kernel_family ** out, int max) {
+/* a product of the residual alone: add mode's R . x (the device computes W2 . x) */
+static bool residual_alone(const bs_job * job) {
+    return job->w2 == NULL && job->r != NULL && !job->draft;
+}
+
+static int col_limit(const bs_kernel_family * f, bool alone) {
+    return alone && f->alone_max_cols > 0 ? f->alone_max_cols : f->max_cols;
+}
+
+int bs_policy_list(int64_t n_cols, bool alone, const bs_job * job, const bs_kernel_family ** out, int max) {
     int cap;
     bs_isa_cap(&cap);
-    const bs_kernel_family * const * order = n_cols <= BS_SMALL_BATCH ? order_small : order_large;
+    alone = job != NULL ? residual_alone(job) : alone;
+    /* products of the residual alone keep the per-column kernels' order at every batch: each
+     * stays first to its own limit (alone_max_cols), past it the tile and f32 families take over */
+    const bs_kernel_family * const * order = n_cols <= BS_SMALL_BATCH || alone ? order_small : order_large;
     int n = 0;
     /* pass 0: the families for this batch in the order's sequence; pass 1: those past their
      * max_cols, which still compute it (before generic, the last resort) */
     for (int pass = 0; pass < 2; pass++) {
         for (size_t i = 0; i < N_FAMILIES && n < max; i++) {
             const bs_kernel_family * f = order[i];
-            const bool past = f->max_cols > 0 && n_cols > f->max_cols;
+            const int limit = col_limit(f, alone);
+            const bool past = limit > 0 && n_cols > limit;
             if (f == &generic_family || past != (pass == 1)) {
                 continue;
             }
@@ -254,20 +270,20 @@ int bs_policy_list(int64_t n_cols, const bs_job * job, const bs_kernel_family **
     return n;
 }
 
-const bs_kernel_family * bs_policy(int64_t n_cols, const bs_job * job) {
+const bs_kernel_family * bs_policy(int64_t n_cols, bool alone, const bs_job * job) {
     const bs_kernel_family * f;
-    return bs_policy_list(n_cols, job, &f, 1) == 1 ? f : &generic_family;
+    return bs_policy_list(n_cols, alone, job, &f, 1) == 1 ? f : &generic_family;
 }
 
 const bs_kernel_family * bs_precise_policy(int64_t n_cols, const bs_job * job) {
     const bs_kernel_family * list[BS_MAX_FAMILIES];
-    const int n = bs_policy_list(n_cols, job, list, BS_MAX_FAMILIES);
+    const int n = bs_policy_list(n_cols, false, job, list, BS_MAX_FAMILIES);
     for (int i = 0; i < n; i++) {
         if (list[i]->exact_weights) {
             return list[i];
         }
     }
-    return bs_policy(n_cols, job);
+    return bs_policy(n_cols, false, job);
 }
 
 const bs_kernel_family * bs_draft_policy(const bs_job * job) {

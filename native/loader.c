@@ -329,7 +329,7 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
             if (ctx->pinned == NULL) {
                 st = fail(err, err_size, BITSPLIT_E_UNSUPPORTED, "BITSPLIT_KERNEL='%s': no such kernel family on "
                           "this CPU under BITSPLIT_MAX_ISA=%s (this CPU's best for one column: %s)", env,
-                          bs_isa_name(cap), bs_policy(1, NULL)->name);
+                          bs_isa_name(cap), bs_policy(1, false, NULL)->name);
                 goto fail;
             }
         }

@@ -184,7 +184,7 @@ const bs_kernel_family * bs_family_for(const bitsplit_ctx * ctx, const bs_job * 
          * batch invariance one choice for every batch size */
         return bs_precise_policy(ctx->invariant ? 1 : job->n_cols, job);
     }
-    return bs_policy(job->n_cols, job);
+    return bs_policy(job->n_cols, false, job);
 }
 
 int bs_resolve_precision(const bitsplit_ctx * ctx, enum ggml_type base, enum ggml_type res) {

@@ -50,6 +50,8 @@ def check_profile(p: dict) -> None:
     fams = policy.families()
     assert p["families"] == fams and p["max_isa"] == policy.max_isa() and p["draft_kernel"] == policy.draft_kernel()
     assert p["kernel_by_batch"] == {str(b): policy.kernel_for_batch(b) for b in (1, 2, 4, 5, 8, 16, 32, 64)}
+    alone = {str(b): policy.kernel_for_batch(b, residual_alone=True) for b in (1, 2, 4, 5, 8, 16, 32, 64)}
+    assert p["kernel_by_batch_alone"] == alone
     assert p["threads"] >= 1 and positive(p["memory_bandwidth_gb_s"])
     assert {(r["family"], r["batch"]) for r in p["residual"]} == {(f, b) for f in fams for b in (1, 4, 16, 64)}
     for r in p["residual"] + p["with_base"] + p["ggml_reference"] + p["ggml_base"] + p["native_draft"]:
@@ -60,8 +62,8 @@ def check_profile(p: dict) -> None:
             assert positive(r[k]), (k, r)
         assert r["gb_per_s_per_core"] == pytest.approx(r["gb_per_s"] / p["threads"], rel=0.01, abs=0.002)
         assert r["bandwidth_use"] == pytest.approx(r["gb_per_s"] / p["memory_bandwidth_gb_s"], rel=0.02, abs=1e-3)
-    for r in p["residual"]:  # the policy's family is flagged as such
-        assert r["policy"] == (r["family"] == p["kernel_by_batch"][str(r["batch"])])
+    for r in p["residual"]:  # the policy's family (for R . x alone) is flagged as such
+        assert r["policy"] == (r["family"] == p["kernel_by_batch_alone"][str(r["batch"])])
     # the verifier's pass at the small batches a chain or a small tree verifies, and at 16
     assert [(r["batch"], r["family"]) for r in p["with_base"]] == [(b, p["kernel_by_batch"][str(b)]) for b in (1, 2, 4, 16)]
     assert {r["batch"] for r in p["ggml_reference"]} == {1, 16}  # llama-cpp-python's ggml is always there
@@ -127,6 +129,7 @@ def test_plan_keeps_whole_the_layers_that_fit(capsys, cache, monkeypatch):
 
     # a fixed machine (not this one's figures): 1 G residual weights/s per core
     prof = {"memory_bandwidth_gb_s": 20.0, "threads": 2, "size": "test", "kernel_by_batch": {"17": "avx2-f32"},
+            "kernel_by_batch_alone": {"17": "avx2-f32"},
             "residual": [{"family": "avx2-f32", "batch": 16, "weights_per_s_per_core": 1e9}]}
     monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)
     kw = dict(ram_bw=60, cores=16, tokens_per_verify=4.0, rounds=5)
@@ -176,7 +179,7 @@ def test_plan_takes_its_residual_rate_from_the_machine_profile(capsys, cache, mo
     prof, _ = doctor(capsys)
     monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)  # the quick profile, not a full one
     p = make_plan("qwen2.5-coder-1.5b", vram_gb=24)
-    fam = policy.kernel_for_batch(17)
+    fam = policy.kernel_for_batch(17, residual_alone=True)  # the plan's verify products are R . x alone
     rows = {r["batch"]: 1 / r["weights_per_s_per_core"] for r in prof["residual"] if r["family"] == fam}
     # 17 columns: the time per weight interpolated between the measured batches 16 and 64
     expect = 1 / (rows[16] + (17 - 16) * (rows[64] - rows[16]) / (64 - 16))
@@ -309,7 +312,8 @@ def _fixed_machine(monkeypatch):
     from bitsplit_llama.tools import machine
 
     prof = {"memory_bandwidth_gb_s": 20.0, "threads": 2, "size": "test", "kernel_by_batch": {},
-            "residual": [{"family": policy.kernel_for_batch(17), "batch": 16, "weights_per_s_per_core": 4e9}]}
+            "kernel_by_batch_alone": {},
+            "residual": [{"family": policy.kernel_for_batch(17, residual_alone=True), "batch": 16, "weights_per_s_per_core": 4e9}]}
     monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)
 
 

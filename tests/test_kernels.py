@@ -363,18 +363,22 @@ def test_isa_cap_limits_the_families(cap):
 
 
 def test_avx2_policy_by_batch():
-    """On AVX2 alone, the integer family takes the decode-sized batches (1-6 columns, where it reads
-    weights at memory speed) and avx2-f32 the larger ones (where avx2-int16's multiplies cost more
-    than f32 FMAs), each measured crossover living in C only."""
+    """On AVX2 alone, the integer family takes the decode-sized batches of W2 + R (1-6 columns, where
+    it reads weights at memory speed) and avx2-f32 the larger ones (where avx2-int16's multiplies
+    cost more than f32 FMAs); for R . x alone (add mode, half the multiplies) the integer family up
+    to 32 columns. Each measured crossover lives in C only."""
     if "avx2-f32" not in policy.families():
         pytest.skip(f"no AVX2 here (families: {', '.join(policy.families())})")
+    batches = (1, 2, 4, 6, 7, 16, 32, 33, 64, 512)
     code = "import json; from bitsplit_llama.native import policy; " \
-           "print(json.dumps([policy.kernel_for_batch(b) for b in (1, 2, 4, 6, 7, 16, 512)]))"
+           f"print(json.dumps([[policy.kernel_for_batch(b, a) for b in {batches!r}] for a in (False, True)]))"
     env = {**os.environ, "BITSPLIT_MAX_ISA": "avx2"}
     env.pop("BITSPLIT_KERNEL", None)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout.strip().splitlines()[-1]) == ["avx2-int16"] * 4 + ["avx2-f32"] * 3
+    with_base, alone = json.loads(p.stdout.strip().splitlines()[-1])
+    assert with_base == ["avx2-int16"] * 4 + ["avx2-f32"] * 6
+    assert alone == ["avx2-int16"] * 7 + ["avx2-f32"] * 3
 
 
 def test_bad_isa_cap_is_refused(tiny_split):
@@ -450,8 +454,22 @@ def test_decode_kernel_follows_the_policy(tiny_split):
     """choose_decode_kernel asks the native policy (no thresholds in Python)."""
     with Residual(tiny_split) as res:
         for batch in (1, 2, 5, 17, 64):
-            assert res.choose_decode_kernel(batch) == policy.kernel_for_batch(batch)
-            assert res.kernel == policy.kernel_for_batch(batch)
+            for alone in (False, True):
+                want = policy.kernel_for_batch(batch, residual_alone=alone)
+                assert res.choose_decode_kernel(batch, residual_alone=alone) == want
+                assert res.kernel == want
+
+
+def test_unpinned_products_follow_the_policy_for_their_kind(tiny_split):
+    """With no family pinned, a product of the residual alone takes the policy's family for R . x
+    alone and one with the base the family for W2 + R (the job says which, not the caller)."""
+    with Residual(tiny_split) as res:
+        name = res.tensors()[0][0]
+        res.batch_invariant = False  # else the family pinned at load serves every batch
+        res.set_kernel(None)  # (BITSPLIT_KERNEL pins one for every batch: the policy then names it too)
+        for batch in (1, 7, 16, 64):
+            assert res.family_of(name, batch, with_base=True) == policy.kernel_for_batch(batch)
+            assert res.family_of(name, batch, with_base=False) == policy.kernel_for_batch(batch, residual_alone=True)
 
 
 @pytest.mark.parametrize("bad", ["lots", "-1", "12kb"])

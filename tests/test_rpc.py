@@ -28,6 +28,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from bitsplit_llama.native import policy
 from bitsplit_llama.runtime import rpc
 from bitsplit_llama.speculative.generate import Generator
 from bitsplit_llama.speculative.sampling import SamplingParams
@@ -168,6 +169,9 @@ def test_verifier_on_the_device_equals_add_mode_bit_for_bit(device, f32_pair, ti
 def test_greedy_speculative_equals_verifier_alone_on_the_device(device, f32_split, nodes):
     with Generator(f32_split, n_ctx=512, tree_nodes=nodes, **device) as g:
         assert g.sm.n_gpu_layers > 0 and g.sm.drafter == "llama.cpp"
+        # every layer on the device: the products are R . x alone, and the family pinned is the
+        # policy's for that kind (BITSPLIT_KERNEL's where set)
+        assert g.sm.residual_alone and g.kernel == policy.kernel_for_batch(max(2, nodes + 1), residual_alone=True)
         for p in PROMPTS[:3]:
             plain = g.generate(p, max_tokens=40, speculative=False)
             spec = g.generate(p, max_tokens=40, speculative=True)

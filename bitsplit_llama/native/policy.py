@@ -27,10 +27,11 @@ def families() -> list[str]:
     return [ffi.string(names[i]).decode() for i in range(min(n, 16))]
 
 
-def kernel_for_batch(n_cols: int) -> str:
-    """The family the policy picks for a quantized product of ``n_cols`` columns."""
+def kernel_for_batch(n_cols: int, residual_alone: bool = False) -> str:
+    """The family the policy picks for a quantized product of ``n_cols`` columns: W2 + R, or the
+    residual alone (``residual_alone``: add mode, the base's layers on a device)."""
     _, lib = load()
-    return _s(lib.bitsplit_kernel_for_batch(int(n_cols)))
+    return _s(lib.bitsplit_kernel_for_batch(int(n_cols), bool(residual_alone)))
 
 
 def draft_kernel() -> str | None:

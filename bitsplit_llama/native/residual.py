@@ -157,13 +157,14 @@ class Residual:
             raise UnsupportedModelError(f"kernel family '{name}' cannot run on this CPU")
         return self.kernel
 
-    def choose_decode_kernel(self, batch: int, name: str | None = None) -> str:
+    def choose_decode_kernel(self, batch: int, name: str | None = None, residual_alone: bool = False) -> str:
         """Pin the kernel family for decode passes of ``batch`` columns (one family for a whole
         generation keeps speculative output identical to plain decoding): ``name`` if given, else
-        the native kernel policy's choice for that batch (the thresholds live only there)."""
+        the native kernel policy's choice for that batch (the thresholds live only there) and for
+        products of W2 + R, or of the residual alone (``residual_alone``: the base on a device)."""
         if name:
             return self.set_kernel(name)
-        return self._ffi.string(self._lib.bitsplit_ctx_choose_kernel(self.ptr, int(batch))).decode()
+        return self._ffi.string(self._lib.bitsplit_ctx_choose_kernel(self.ptr, int(batch), bool(residual_alone))).decode()
 
     def family_of(self, name: str, n_cols: int, with_base: bool = True) -> str:
         """The kernel family that computes :meth:`matmul` of ``name`` on ``n_cols`` columns now (the

@@ -72,6 +72,7 @@ class Model:
         self.vocab = ll.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(ll.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(ll.llama_model_n_ctx_train(self.ptr))
+        self.n_layer = int(ll.llama_model_n_layer(self.ptr))
 
     def close(self) -> None:
         if getattr(self, "ptr", None):

@@ -109,6 +109,12 @@ class SplitModel:
             self.residual.close()
             raise
 
+    @property
+    def residual_alone(self) -> bool:
+        """Whether the verifier's residual products are R . x alone (add mode: every layer of the base
+        on a device, which computes W2 . x), the kernel policy's other case beside W2 + R."""
+        return self.n_gpu_layers >= self.model.n_layer
+
     def _context(self, **kw) -> Context:
         """A llama.cpp context over this model whose eval callback is this residual.
 

@@ -344,7 +344,7 @@ class Engine:
         passes have ``batch`` rows uses; the family before is restored after."""
         res = self.sm.residual
         saved = res.kernel
-        res.choose_decode_kernel(batch)
+        res.choose_decode_kernel(batch, residual_alone=self.sm.residual_alone)
         try:
             yield res.kernel
         finally:

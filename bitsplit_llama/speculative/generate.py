@@ -99,7 +99,8 @@ class Generator:
                                     "expected_tokens_per_second_fixed16": round(fixed16[3], 3) if fixed16 else None,
                                     "rank_probs": prof.rank_probs, "from": "rank model"}
         # plain steps carry two rows; tree passes 1 + nodes
-        self.kernel = self.sm.residual.choose_decode_kernel(max(2, self.shape.nodes + 1), kernel)
+        self.kernel = self.sm.residual.choose_decode_kernel(max(2, self.shape.nodes + 1), kernel,
+                                                            residual_alone=self.sm.residual_alone)
         self.engine = Engine(self.sm, self.shape, draft_stop=draft_stop)
         self.model = self.sm.model
         self._lock = threading.Lock()

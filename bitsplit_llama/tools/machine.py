@@ -33,7 +33,8 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-PROFILE_VERSION = 3  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft
+PROFILE_VERSION = 4  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
+# 4: kernel_by_batch_alone (the policy for R . x alone)
 #: batch sizes measured for every family
 BATCHES = (1, 4, 16, 64)
 #: batch sizes the policy is asked about
@@ -372,7 +373,7 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
         r.set_threads(threads)
         for fam in families:
             for b in BATCHES:
-                policy_fam = policy.kernel_for_batch(b)
+                policy_fam = policy.kernel_for_batch(b, residual_alone=True)
                 if b <= PIN_MAX_COLS:
                     r.set_kernel(fam)
                     t, nbytes, n = run(r, b, False)
@@ -750,6 +751,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "families": fams,
         "max_isa": policy.max_isa(),
         "kernel_by_batch": {str(b): policy.kernel_for_batch(b) for b in POLICY_BATCHES},
+        "kernel_by_batch_alone": {str(b): policy.kernel_for_batch(b, residual_alone=True) for b in POLICY_BATCHES},
         "draft_kernel": policy.draft_kernel(),
         "memory_bandwidth_gb_s": round(bw / 1e9, 3),
         "synthetic": {"tensors": size.tensors, "ne0": size.ne0, "ne1": size.ne1, "residual_type": "q6_k",
@@ -788,11 +790,11 @@ def residual_rate_per_core(profile: dict, batch: int) -> tuple[float, str]:
     """Residual weights/s one core computes at ``batch`` columns with the family the policy picks
     for that batch, from the profile's measured batches (:func:`rate_at`). Returns (weights/s per
     core, where the figure comes from)."""
-    fam = profile["kernel_by_batch"].get(str(batch))
+    fam = profile["kernel_by_batch_alone"].get(str(batch))
     if fam is None:
         from ..native import policy
 
-        fam = policy.kernel_for_batch(batch)
+        fam = policy.kernel_for_batch(batch, residual_alone=True)
     rows = [r for r in profile["residual"] if r["family"] == fam] or list(profile["residual"])
     rate, where = rate_at(rows, batch)
     return (rate, f"machine profile ({rows[0]['family']}, {where}, {profile['threads']} threads, "

@@ -97,7 +97,7 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
     try:
         toks = [sm.model.tokenize(p) for p in prompts]
         for shape in shapes:
-            kernel = sm.residual.choose_decode_kernel(max(2, shape.nodes + 1))
+            kernel = sm.residual.choose_decode_kernel(max(2, shape.nodes + 1), residual_alone=sm.residual_alone)
             eng = Engine(sm, shape)
             st = Stats()  # the sums over prompts (a generation counts its own tokens in its own Stats)
             for i, t in enumerate(toks):

@@ -522,6 +522,9 @@ const bs_kernel_family bs_family_avxvnni_int16 = {
      * avxvnni-int16 0.97 at 1 column, 1.06-1.08 at 2, 1.03 at 3, 1.06 at 4, 1.12 at 6, 1.09 at 8,
      * 0.98 at 16; R alone 0.97-1.05; time avx2-f32 / avxvnni-int16 2.09 at 1, 1.04 at 6, 0.76 at 8 */
     6,
+    /* R alone: to 32 columns, as avx2-int16 (not measured on AVX-VNNI: the same products with
+     * vpdpbusd in place of vpmaddubsw + vpmaddwd) */
+    .alone_max_cols = 32,
     .exact_weights = true,
 };
 #else
@@ -538,6 +541,12 @@ const bs_kernel_family bs_family_avx2_int16 = {
      * at 5, 0.90-0.96 at 6, 0.99 at 7, 1.12 at 8 (after the spill fix; before it the crossover was
      * 4: f32/int16 2.12 at 1 column, 1.41 at 2, 1.10 at 3, 1.04 at 4, 0.94 at 5) */
     6,
+    /* R alone (add mode) takes one activation digit per block without an outlier, half the
+     * multiplies: preferred up to 32 columns (a pinned family's limit). Measured on a 2-core Zen 3,
+     * Qwen2.5-Coder-1.5B q6_k split (python bench/residual_speed.py SPLIT --residual-only --kernel
+     * avx2-int16,avx2-f32): time f32/int16 1.54 at 6 columns, 1.18 at 8, 1.05 at 12, 1.18 at 16,
+     * 1.12 at 24, 1.01 at 32, 0.87 at 64 */
+    .alone_max_cols = 32,
     .exact_weights = true,
 };
 #endif /* BS_INT16_VNNI */
