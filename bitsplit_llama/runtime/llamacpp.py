@@ -256,6 +256,11 @@ class Context:
                     f"no room in the context for {n} more tokens (n_ctx={self.n_ctx}); use a larger --n-ctx"
                 )
             raise NativeError(f"llama_decode failed with status {rc}")
+        # with a device backend (GPU, RPC) llama_decode returns before the graph has run, and the
+        # first read of the logits waits for it: wait here, so that a pass's time is its decode's
+        # (the engine's time split) and not the Python that reads its logits. Nothing runs between
+        # the two that could overlap the device's work.
+        ll.llama_synchronize(self.ptr)
 
     def logits(self, n_rows: int) -> np.ndarray:
         """The last decode's logits as an (n_rows, n_vocab) float32 view (valid until the next decode)."""
