@@ -12,8 +12,12 @@
  *     adds: 4 multiplies per group and column (the residual's int32 sums flushed to f32 every 4
  *     groups, where (q - 32) G u X could overflow).
  * The inputs change every iteration (16 copies) so that nothing is hoisted out of the loop. Prints
- * ns per unit for 1-4 columns, the per-column slope of each and B / A: where the products are bound by
- * the multiplier (as on a 2-core Zen 3), B's slope is about half A's.
+ * ns per unit for 1-4 columns, the per-column slope of each and B / A, for the products alone and
+ * then with the decoding of a real Q2_K and Q6_K block per unit (B's includes widening the codes and
+ * a vpmullw by their scale, once for every column). Where the products are bound by the multiplier
+ * (as on a 2-core Zen 3), B's slope is about half A's. A here is a plain loop, slower than the
+ * family's tuned kernel (about 1.2-1.8x at 1-2 columns with decoding): read the ratios, not a
+ * projection of the pass.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -101,13 +105,118 @@ TGT static inline __attribute__((always_inline)) float run_b(const int nc, long 
     return s;
 }
 
+
+/* With the decoding of real blocks (one Q2_K block of W2 and one Q6_K block of R per unit, random
+ * bytes): A decodes codes and takes the scales in vpmaddwd's layout (as the family does); B widens
+ * the codes to 16 bits and multiplies them by their scale (vpmullw, once for every column), Q6_K's
+ * centred (q - 32). The per-unit float work of each is included. */
+#define Q2_BYTES 84
+#define Q6_BYTES 210
+static __attribute__((aligned(64))) uint8_t B2[COPIES][Q2_BYTES + 44], B6[COPIES][Q6_BYTES + 46];
+
+TGT static inline __attribute__((always_inline)) __m256i q2_codes(const uint8_t * b, int g) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(b + 16 + 32 * (g >> 2)));
+    return _mm256_and_si256(_mm256_srli_epi16(q, 2 * (g & 3)), _mm256_set1_epi8(3));
+}
+TGT static inline __attribute__((always_inline)) __m256i q6_codes(const uint8_t * b, int g) {
+    const int n = g >> 2, m = g & 3;
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(const void *)(b + 64 * n + 32 * (m & 1)));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)(b + 128 + 32 * n));
+    const __m256i lo = _mm256_and_si256(m >= 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
+    const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * m), _mm256_set1_epi8(3)), 4);
+    return _mm256_or_si256(lo, hb);
+}
+TGT static inline __attribute__((always_inline)) __m256i group_scales(__m256i S, int g) {
+    const __m256i B = g < 4 ? _mm256_permute2x128_si256(S, S, 0x00) : _mm256_permute2x128_si256(S, S, 0x11);
+    const char a = (char)(2 * ((2 * g) % 8)), c = (char)(2 * ((2 * g + 1) % 8));
+    return _mm256_shuffle_epi8(B, _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+                                                    c, c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1));
+}
+
+TGT static inline __attribute__((always_inline)) float run_ad(const int nc, long iters) {
+    __m256 tot[4] = {0};
+    for (long it = 0; it < iters; it++) {
+        const int k = (int)(it & (COPIES - 1));
+        const uint8_t * b2 = B2[k], * b6 = B6[k];
+        const __m256i S2 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)(const void *)b2), _mm_set1_epi8(0x0F)));
+        const __m256i S6 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(b6 + 192)));
+        __m256i il[2][4], ih[2][4];
+        for (int h = 0; h < 2; h++) for (int c = 0; c < nc; c++) il[h][c] = ih[h][c] = _mm256_setzero_si256();
+        for (int g = 0; g < NG; g++) {
+            for (int h = 0; h < 2; h++) {
+                const __m256i u = h ? q6_codes(b6, g) : q2_codes(b2, g), s = group_scales(h ? S6 : S2, g);
+                for (int c = 0; c < nc; c++) {
+                    il[h][c] = _mm256_add_epi32(il[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(u, LD(D0[k][c][g])), s));
+                    ih[h][c] = _mm256_add_epi32(ih[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(u, LD(D1[k][c][g])), s));
+                    __asm__("" : "+x"(il[h][c]), "+x"(ih[h][c]));
+                }
+            }
+        }
+        for (int c = 0; c < nc; c++) for (int h = 0; h < 2; h++) { /* sums, scale d, offsets of two halves of 8 */
+            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih[h][c]), _mm256_set1_ps(255.0f), _mm256_cvtepi32_ps(il[h][c]));
+            v = _mm256_mul_ps(v, _mm256_set1_ps(1e-9f));
+            v = _mm256_fmadd_ps(_mm256_set1_ps(1e-9f), _mm256_castsi256_ps(LD(X[k][c][0])), v);
+            v = _mm256_fmadd_ps(_mm256_set1_ps(1e-9f), _mm256_castsi256_ps(LD(X[k][c][1])), v);
+            tot[c] = _mm256_fmadd_ps(v, _mm256_set1_ps(1e-9f), tot[c]);
+        }
+    }
+    float s = 0.0f;
+    for (int c = 0; c < nc; c++) s += _mm256_cvtss_f32(tot[c]);
+    return s;
+}
+
+TGT static inline __attribute__((always_inline)) float run_bd(const int nc, long iters) {
+    __m256 tot[4] = {0};
+    __attribute__((aligned(64))) int16_t sc2[16], sc6[16];
+    for (long it = 0; it < iters; it++) {
+        const int k = (int)(it & (COPIES - 1));
+        const uint8_t * b2 = B2[k], * b6 = B6[k];
+        _mm256_store_si256((__m256i *)(void *)sc2, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)(const void *)b2), _mm_set1_epi8(0x0F))));
+        _mm256_store_si256((__m256i *)(void *)sc6, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(b6 + 192))));
+        __m256i ab[4], ar[4];
+        for (int c = 0; c < nc; c++) ab[c] = ar[c] = _mm256_setzero_si256();
+        for (int g = 0; g < NG; g++) {
+            const __m256i u2 = q2_codes(b2, g);
+            const __m256i u6 = _mm256_sub_epi8(q6_codes(b6, g), _mm256_set1_epi8(32));
+            const __m256i w2l = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u2)), _mm256_set1_epi16(sc2[2 * g]));
+            const __m256i w2h = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u2, 1)), _mm256_set1_epi16(sc2[2 * g + 1]));
+            const __m256i w6l = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(u6)), _mm256_set1_epi16(sc6[2 * g]));
+            const __m256i w6h = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(u6, 1)), _mm256_set1_epi16(sc6[2 * g + 1]));
+            for (int c = 0; c < nc; c++) {
+                const __m256i x0 = LD(X[k][c][g]), x1 = LD(X[k][c][g] + 16);
+                ab[c] = _mm256_add_epi32(ab[c], _mm256_add_epi32(_mm256_madd_epi16(w2l, x0), _mm256_madd_epi16(w2h, x1)));
+                ar[c] = _mm256_add_epi32(ar[c], _mm256_add_epi32(_mm256_madd_epi16(w6l, x0), _mm256_madd_epi16(w6h, x1)));
+                __asm__("" : "+x"(ab[c]), "+x"(ar[c]));
+            }
+            if (g == NG / 2 - 1) {
+                for (int c = 0; c < nc; c++) {
+                    tot[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ar[c]), _mm256_set1_ps(1e-9f), tot[c]);
+                    ar[c] = _mm256_setzero_si256();
+                }
+            }
+        }
+        for (int c = 0; c < nc; c++) { /* the residual's second half, the base's sums and its mins */
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(ab[c]), _mm256_set1_ps(1e-9f));
+            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ar[c]), _mm256_set1_ps(1e-9f), v);
+            v = _mm256_fmadd_ps(_mm256_set1_ps(1e-9f), _mm256_castsi256_ps(LD(X[k][c][0])), v);
+            v = _mm256_fmadd_ps(_mm256_set1_ps(1e-9f), _mm256_castsi256_ps(LD(X[k][c][1])), v);
+            tot[c] = _mm256_fmadd_ps(v, _mm256_set1_ps(1e-9f), tot[c]);
+        }
+    }
+    float s = 0.0f;
+    for (int c = 0; c < nc; c++) s += _mm256_cvtss_f32(tot[c]);
+    return s;
+}
+
 /* one copy per column count, so that each keeps its sums in registers */
 #define RUNNERS(N) \
     TGT __attribute__((noinline)) static float a##N(long i) { return run_a(N, i); } \
-    TGT __attribute__((noinline)) static float b##N(long i) { return run_b(N, i); }
+    TGT __attribute__((noinline)) static float b##N(long i) { return run_b(N, i); } \
+    TGT __attribute__((noinline)) static float ad##N(long i) { return run_ad(N, i); } \
+    TGT __attribute__((noinline)) static float bd##N(long i) { return run_bd(N, i); }
 RUNNERS(1) RUNNERS(2) RUNNERS(3) RUNNERS(4)
-static float (*const A[4])(long) = {a1, a2, a3, a4};
-static float (*const B[4])(long) = {b1, b2, b3, b4};
+static float (*const A[2][4])(long) = {{a1, a2, a3, a4}, {ad1, ad2, ad3, ad4}};
+static float (*const B[2][4])(long) = {{b1, b2, b3, b4}, {bd1, bd2, bd3, bd4}};
 
 static int cmp(const void * p, const void * q) {
     const double x = *(const double *)p, y = *(const double *)q;
@@ -128,30 +237,35 @@ int main(void) {
     }
     for (size_t i = 0; i < sizeof(GU) / 2; i++) ((int16_t *)GU)[i] = (int16_t)((int)(i * 37 % 8000) - 4000);
     for (size_t i = 0; i < sizeof(X) / 2; i++) ((int16_t *)X)[i] = (int16_t)((int)(i * 131 % 65000) - 32500);
+    for (size_t i = 0; i < sizeof(B2); i++) ((uint8_t *)B2)[i] = (uint8_t)(i * 97 % 251);
+    for (size_t i = 0; i < sizeof(B6); i++) ((uint8_t *)B6)[i] = (uint8_t)(i * 89 % 241);
     enum { ROUNDS = 5 };
-    double ta[4][ROUNDS], tb[4][ROUNDS];
+    static const char * const what[2] = {"products alone (codes and scales decoded, in L1)",
+                                         "with the decoding of a Q2_K and a Q6_K block per unit"};
     volatile float sink = 0.0f;
-    for (int r = 0; r < ROUNDS; r++) {
-        for (int n = 0; n < 4; n++) { /* interleaved: A then B at each size, every round */
-            double t0 = now();
-            sink += A[n](ITERS);
-            ta[n][r] = 1e9 * (now() - t0) / (double)ITERS;
-            t0 = now();
-            sink += B[n](ITERS);
-            tb[n][r] = 1e9 * (now() - t0) / (double)ITERS;
+    for (int v = 0; v < 2; v++) {
+        double ta[4][ROUNDS], tb[4][ROUNDS], ma[4], mb[4];
+        for (int r = 0; r < ROUNDS; r++) {
+            for (int n = 0; n < 4; n++) { /* interleaved: A then B at each size, every round */
+                double t0 = now();
+                sink += A[v][n](ITERS);
+                ta[n][r] = 1e9 * (now() - t0) / (double)ITERS;
+                t0 = now();
+                sink += B[v][n](ITERS);
+                tb[n][r] = 1e9 * (now() - t0) / (double)ITERS;
+            }
         }
+        printf("%s: ns per unit (256 weights of W2 and of R), median of %d rounds\n", what[v], ROUNDS);
+        for (int n = 0; n < 4; n++) {
+            qsort(ta[n], ROUNDS, sizeof(double), cmp);
+            qsort(tb[n], ROUNDS, sizeof(double), cmp);
+            ma[n] = ta[n][ROUNDS / 2];
+            mb[n] = tb[n][ROUNDS / 2];
+            printf("  %d column%s: A (two byte digits) %7.2f   B (16-bit, vpmaddwd) %7.2f   B / A %.3f\n", n + 1,
+                   n ? "s" : " ", ma[n], mb[n], mb[n] / ma[n]);
+        }
+        const double sa = (ma[3] - ma[0]) / 3, sb = (mb[3] - mb[0]) / 3;
+        printf("  per added column: A %.2f ns, B %.2f ns, B / A %.3f\n", sa, sb, sb / sa);
     }
-    double ma[4], mb[4];
-    printf("ns per unit (256 weights of W2 and of R), median of %d rounds\n", ROUNDS);
-    for (int n = 0; n < 4; n++) {
-        qsort(ta[n], ROUNDS, sizeof(double), cmp);
-        qsort(tb[n], ROUNDS, sizeof(double), cmp);
-        ma[n] = ta[n][ROUNDS / 2];
-        mb[n] = tb[n][ROUNDS / 2];
-        printf("  %d column%s: A (two byte digits) %7.2f   B (16-bit, vpmaddwd) %7.2f   B / A %.3f\n", n + 1,
-               n ? "s" : " ", ma[n], mb[n], mb[n] / ma[n]);
-    }
-    const double sa = (ma[3] - ma[0]) / 3, sb = (mb[3] - mb[0]) / 3;
-    printf("per added column: A %.2f ns, B %.2f ns, B / A %.3f\n", sa, sb, sb / sa);
     return sink == 12345.0f; /* keeps the results live */
 }
