@@ -43,8 +43,33 @@ static double now(void) {
 
 #define TGT __attribute__((target("avx2,fma")))
 #define LD(p) _mm256_load_si256((const __m256i *)(const void *)(p))
+#define INL TGT static inline __attribute__((always_inline))
 
-TGT static inline __attribute__((always_inline)) float run_a(const int nc, long iters) {
+/* A: one group of one half for one column, both digits (the family's vpmaddubsw + vpmaddwd + vpaddd) */
+INL void apply_a(__m256i u, __m256i s, const void * d0, const void * d1, __m256i * il, __m256i * ih) {
+    *il = _mm256_add_epi32(*il, _mm256_madd_epi16(_mm256_maddubs_epi16(u, LD(d0)), s));
+    *ih = _mm256_add_epi32(*ih, _mm256_madd_epi16(_mm256_maddubs_epi16(u, LD(d1)), s));
+    __asm__("" : "+x"(*il), "+x"(*ih)); /* as the family keeps its sums */
+}
+
+/* A: the two digits' sums as one f32 value, 255 ih + il */
+INL __m256 digits_f32(__m256i il, __m256i ih) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_set1_ps(255.0f), _mm256_cvtepi32_ps(il));
+}
+
+/* B: one group of one half for one column: the 32 scaled 16-bit codes (w0, w1) times X (x0, x1) */
+INL __m256i madd_pair(__m256i w0, __m256i w1, __m256i x0, __m256i x1) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+}
+
+/* what a runner returns (keeps its results live) */
+INL float sum_cols(const __m256 * tot, int nc) {
+    float s = 0.0f;
+    for (int c = 0; c < nc; c++) s += _mm256_cvtss_f32(tot[c]);
+    return s;
+}
+
+INL float run_a(const int nc, long iters) {
     __m256 tot[4] = {0};
     for (long it = 0; it < iters; it++) {
         const int k = (int)(it & (COPIES - 1));
@@ -53,24 +78,17 @@ TGT static inline __attribute__((always_inline)) float run_a(const int nc, long 
         for (int g = 0; g < NG; g++) {
             for (int h = 0; h < 2; h++) {
                 const __m256i u = LD(U[k][h][g]), s = LD(G[k][h][g]);
-                for (int c = 0; c < nc; c++) {
-                    il[h][c] = _mm256_add_epi32(il[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(u, LD(D0[k][c][g])), s));
-                    ih[h][c] = _mm256_add_epi32(ih[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(u, LD(D1[k][c][g])), s));
-                    __asm__("" : "+x"(il[h][c]), "+x"(ih[h][c])); /* as the family keeps its sums */
-                }
+                for (int c = 0; c < nc; c++) apply_a(u, s, D0[k][c][g], D1[k][c][g], &il[h][c], &ih[h][c]);
             }
         }
         for (int c = 0; c < nc; c++) for (int h = 0; h < 2; h++) {
-            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih[h][c]), _mm256_set1_ps(255.0f), _mm256_cvtepi32_ps(il[h][c]));
-            tot[c] = _mm256_fmadd_ps(v, _mm256_set1_ps(1e-9f), tot[c]);
+            tot[c] = _mm256_fmadd_ps(digits_f32(il[h][c], ih[h][c]), _mm256_set1_ps(1e-9f), tot[c]);
         }
     }
-    float s = 0.0f;
-    for (int c = 0; c < nc; c++) s += _mm256_cvtss_f32(tot[c]);
-    return s;
+    return sum_cols(tot, nc);
 }
 
-TGT static inline __attribute__((always_inline)) float run_b(const int nc, long iters) {
+INL float run_b(const int nc, long iters) {
     __m256 tot[4] = {0};
     for (long it = 0; it < iters; it++) {
         const int k = (int)(it & (COPIES - 1));
@@ -85,7 +103,7 @@ TGT static inline __attribute__((always_inline)) float run_b(const int nc, long 
             for (int c = 0; c < nc; c++) {
                 const __m256i x0 = LD(X[k][c][g]), x1 = LD(X[k][c][g] + 16);
                 for (int h = 0; h < 2; h++) {
-                    a[h][c] = _mm256_add_epi32(a[h][c], _mm256_add_epi32(_mm256_madd_epi16(w0[h], x0), _mm256_madd_epi16(w1[h], x1)));
+                    a[h][c] = _mm256_add_epi32(a[h][c], madd_pair(w0[h], w1[h], x0, x1));
                 }
                 __asm__("" : "+x"(a[0][c]), "+x"(a[1][c]));
             }
@@ -100,9 +118,7 @@ TGT static inline __attribute__((always_inline)) float run_b(const int nc, long 
             tot[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[h][c]), _mm256_set1_ps(1e-9f), tot[c]);
         }
     }
-    float s = 0.0f;
-    for (int c = 0; c < nc; c++) s += _mm256_cvtss_f32(tot[c]);
-    return s;
+    return sum_cols(tot, nc);
 }
 
 
@@ -114,11 +130,11 @@ TGT static inline __attribute__((always_inline)) float run_b(const int nc, long 
 #define Q6_BYTES 210
 static __attribute__((aligned(64))) uint8_t B2[COPIES][Q2_BYTES + 44], B6[COPIES][Q6_BYTES + 46];
 
-TGT static inline __attribute__((always_inline)) __m256i q2_codes(const uint8_t * b, int g) {
+INL __m256i q2_codes(const uint8_t * b, int g) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(b + 16 + 32 * (g >> 2)));
     return _mm256_and_si256(_mm256_srli_epi16(q, 2 * (g & 3)), _mm256_set1_epi8(3));
 }
-TGT static inline __attribute__((always_inline)) __m256i q6_codes(const uint8_t * b, int g) {
+INL __m256i q6_codes(const uint8_t * b, int g) {
     const int n = g >> 2, m = g & 3;
     const __m256i l = _mm256_loadu_si256((const __m256i *)(const void *)(b + 64 * n + 32 * (m & 1)));
     const __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)(b + 128 + 32 * n));
@@ -126,14 +142,14 @@ TGT static inline __attribute__((always_inline)) __m256i q6_codes(const uint8_t 
     const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * m), _mm256_set1_epi8(3)), 4);
     return _mm256_or_si256(lo, hb);
 }
-TGT static inline __attribute__((always_inline)) __m256i group_scales(__m256i S, int g) {
+INL __m256i group_scales(__m256i S, int g) {
     const __m256i B = g < 4 ? _mm256_permute2x128_si256(S, S, 0x00) : _mm256_permute2x128_si256(S, S, 0x11);
     const char a = (char)(2 * ((2 * g) % 8)), c = (char)(2 * ((2 * g + 1) % 8));
     return _mm256_shuffle_epi8(B, _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
                                                     c, c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1));
 }
 
-TGT static inline __attribute__((always_inline)) float run_ad(const int nc, long iters) {
+INL float run_ad(const int nc, long iters) {
     __m256 tot[4] = {0};
     for (long it = 0; it < iters; it++) {
         const int k = (int)(it & (COPIES - 1));
@@ -145,27 +161,20 @@ TGT static inline __attribute__((always_inline)) float run_ad(const int nc, long
         for (int g = 0; g < NG; g++) {
             for (int h = 0; h < 2; h++) {
                 const __m256i u = h ? q6_codes(b6, g) : q2_codes(b2, g), s = group_scales(h ? S6 : S2, g);
-                for (int c = 0; c < nc; c++) {
-                    il[h][c] = _mm256_add_epi32(il[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(u, LD(D0[k][c][g])), s));
-                    ih[h][c] = _mm256_add_epi32(ih[h][c], _mm256_madd_epi16(_mm256_maddubs_epi16(u, LD(D1[k][c][g])), s));
-                    __asm__("" : "+x"(il[h][c]), "+x"(ih[h][c]));
-                }
+                for (int c = 0; c < nc; c++) apply_a(u, s, D0[k][c][g], D1[k][c][g], &il[h][c], &ih[h][c]);
             }
         }
         for (int c = 0; c < nc; c++) for (int h = 0; h < 2; h++) { /* sums, scale d, offsets of two halves of 8 */
-            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih[h][c]), _mm256_set1_ps(255.0f), _mm256_cvtepi32_ps(il[h][c]));
-            v = _mm256_mul_ps(v, _mm256_set1_ps(1e-9f));
+            __m256 v = _mm256_mul_ps(digits_f32(il[h][c], ih[h][c]), _mm256_set1_ps(1e-9f));
             v = _mm256_fmadd_ps(_mm256_set1_ps(1e-9f), _mm256_castsi256_ps(LD(X[k][c][0])), v);
             v = _mm256_fmadd_ps(_mm256_set1_ps(1e-9f), _mm256_castsi256_ps(LD(X[k][c][1])), v);
             tot[c] = _mm256_fmadd_ps(v, _mm256_set1_ps(1e-9f), tot[c]);
         }
     }
-    float s = 0.0f;
-    for (int c = 0; c < nc; c++) s += _mm256_cvtss_f32(tot[c]);
-    return s;
+    return sum_cols(tot, nc);
 }
 
-TGT static inline __attribute__((always_inline)) float run_bd(const int nc, long iters) {
+INL float run_bd(const int nc, long iters) {
     __m256 tot[4] = {0};
     __attribute__((aligned(64))) int16_t sc2[16], sc6[16];
     for (long it = 0; it < iters; it++) {
@@ -184,8 +193,8 @@ TGT static inline __attribute__((always_inline)) float run_bd(const int nc, long
             const __m256i w6h = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(u6, 1)), _mm256_set1_epi16(sc6[2 * g + 1]));
             for (int c = 0; c < nc; c++) {
                 const __m256i x0 = LD(X[k][c][g]), x1 = LD(X[k][c][g] + 16);
-                ab[c] = _mm256_add_epi32(ab[c], _mm256_add_epi32(_mm256_madd_epi16(w2l, x0), _mm256_madd_epi16(w2h, x1)));
-                ar[c] = _mm256_add_epi32(ar[c], _mm256_add_epi32(_mm256_madd_epi16(w6l, x0), _mm256_madd_epi16(w6h, x1)));
+                ab[c] = _mm256_add_epi32(ab[c], madd_pair(w2l, w2h, x0, x1));
+                ar[c] = _mm256_add_epi32(ar[c], madd_pair(w6l, w6h, x0, x1));
                 __asm__("" : "+x"(ab[c]), "+x"(ar[c]));
             }
             if (g == NG / 2 - 1) {
@@ -203,9 +212,7 @@ TGT static inline __attribute__((always_inline)) float run_bd(const int nc, long
             tot[c] = _mm256_fmadd_ps(v, _mm256_set1_ps(1e-9f), tot[c]);
         }
     }
-    float s = 0.0f;
-    for (int c = 0; c < nc; c++) s += _mm256_cvtss_f32(tot[c]);
-    return s;
+    return sum_cols(tot, nc);
 }
 
 /* one copy per column count, so that each keeps its sums in registers */
