@@ -401,6 +401,17 @@ static inline bool bs_f32_family_supports(const bs_job * job) {
     return job->w2 == NULL || bs_f32_family_type(job->w2_type, job->K);
 }
 
+/* Q4_K / Q5_K: the 6-bit scale d and min m of sub-block j (0-7) from the 12 packed bytes q */
+static inline void bs_k4_scale_min(int j, const uint8_t * q, uint8_t * d, uint8_t * m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+    }
+}
+
 /* Q3_K's sixteen 6-bit scales, packed in 12 bytes, as signed bytes still offset by 32 */
 static inline void bs_q3k_scales(const uint8_t * s12, int8_t out[16]) {
     uint32_t aux[4];

@@ -153,24 +153,27 @@ extern const bs_kernel_family bs_family_avxvnni_int16; /* arch/x86/kernels_avxvn
 #endif
 #if defined(__aarch64__)
 extern const bs_kernel_family bs_family_neon_f32;    /* arch/arm/kernels_neon.c */
+extern const bs_kernel_family bs_family_neon_int16;  /* arch/arm/kernels_neon_int.c (needs the dot product) */
 #endif
 
 /* Small batches (decode steps, 2-row verify passes): the per-column integer kernel is the fastest
  * where it exists, each up to its max_cols (its cost grows with the batch; vnni-int24's crossover
  * with the tile kernels is 4-5 columns on a 2-core Xeon, avx2-int16's with avx2-f32 6-7 columns on
- * a 2-core Zen 3; avxvnni-int16, the same integers with AVX-VNNI, before avx2-int16). Larger batches (trees, prompts, evaluation): the tile kernels, whose
- * cost barely grows with the batch. Then the plain SIMD families of the architecture (on AVX2,
- * avx2-int16 up to its max_cols, then avx2-f32), then generic. Products of the residual alone (add
- * mode) keep the small-batch order at every size, each family to its alone_max_cols where it has
- * one: avx2-int16 takes one activation digit there, half its multiplies, and stays ahead of
- * avx2-f32 to 32 columns. */
+ * a 2-core Zen 3; avxvnni-int16, the same integers with AVX-VNNI, before avx2-int16). Larger
+ * batches (trees, prompts, evaluation): the tile kernels, whose cost barely grows with the batch.
+ * Then the plain SIMD families of the architecture (on AVX2, avx2-int16 up to its max_cols, then
+ * avx2-f32; on AArch64, neon-int16, avx2-int16's arithmetic with the dot product, to the same
+ * limits (not measured on ARM hardware), then neon-f32), then generic. Products of the residual
+ * alone (add mode) keep the small-batch order at every size, each family to its alone_max_cols
+ * where it has one: avx2-int16 takes one activation digit there, half its multiplies, and stays
+ * ahead of avx2-f32 to 32 columns. */
 static const bs_kernel_family * const order_small[] = {
 #if defined(__x86_64__)
     &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avxvnni_int16, &bs_family_avx2_int16,
     &bs_family_avx2_f32,
 #endif
 #if defined(__aarch64__)
-    &bs_family_neon_f32,
+    &bs_family_neon_int16, &bs_family_neon_f32,
 #endif
     &generic_family,
 };
@@ -180,7 +183,7 @@ static const bs_kernel_family * const order_large[] = {
     &bs_family_avx2_int16,
 #endif
 #if defined(__aarch64__)
-    &bs_family_neon_f32,
+    &bs_family_neon_f32, &bs_family_neon_int16,
 #endif
     &generic_family,
 };

@@ -28,16 +28,17 @@ HERE = policy.families()
 # weights and activations to 8-bit mantissas; avx2-int16 is held to 1e-5 against the product of its
 # own activation rounding (ACT_BITS: 16 bits for the base, the high digit's 8 for the residual) and
 # to that rounding's bound against the exact one
-TOL = {"vnni-int24": 1e-5, "avx2-int16": 1e-5, "avxvnni-int16": 1e-5, "avx2-f32": 1e-5, "neon-f32": 1e-5, "amx-bf16": 1e-2, "avx512-bf16": 1e-2,
+TOL = {"vnni-int24": 1e-5, "avx2-int16": 1e-5, "avxvnni-int16": 1e-5, "neon-int16": 1e-5, "avx2-f32": 1e-5, "neon-f32": 1e-5,
+       "amx-bf16": 1e-2, "avx512-bf16": 1e-2,
        "generic": 1e-2}
 
 
 # families that round activations to integers per block: the largest integer (x ~ s X, |X| <= it,
 # s = the block's max|x| / it), blocks of 256 values where a 256-superblock type is in the product,
 # else of 32
-ACT_BITS = {"avx2-int16": 32512, "avxvnni-int16": 32512}
+ACT_BITS = {"avx2-int16": 32512, "avxvnni-int16": 32512, "neon-int16": 32512}
 # families that use the weights as they are (integer or f32 arithmetic), not rounded to bf16
-EXACT_WEIGHTS = {"vnni-int24", "avx2-int16", "avxvnni-int16", "avx2-f32", "neon-f32"}
+EXACT_WEIGHTS = {"vnni-int24", "avx2-int16", "avxvnni-int16", "neon-int16", "avx2-f32", "neon-f32"}
 SUPERBLOCK_TYPES = {10, 11, 12, 13, 14}  # Q2_K .. Q6_K
 
 
@@ -333,6 +334,10 @@ def test_every_family_this_cpu_runs_is_offered():
             assert "avxvnni-int16" in HERE
         if "avx_vnni" not in flags:
             assert "avxvnni-int16" not in HERE
+    if sys.platform == "linux" and os.uname().machine == "aarch64" and policy.max_isa() != "generic":
+        feats = open("/proc/cpuinfo").read().split("Features")[1].split("\n")[0].split()
+        assert "neon-f32" in HERE  # Advanced SIMD: every AArch64 CPU
+        assert ("neon-int16" in HERE) == ("asimddp" in feats)  # the dot product (FEAT_DotProd)
 
 
 def _families_under(cap: str) -> subprocess.CompletedProcess:

@@ -1,10 +1,11 @@
-"""The ARM kernel family (neon-f32) run without ARM hardware: native/tests/neon_qemu.sh builds the
-parity harness for AArch64 (static) and runs it under qemu-aarch64-static against float64 products
-of ggml's dequantised weights, next to the x86 avx2-f32 family on the same vectors.
+"""The ARM kernel families (neon-f32, neon-int16) run without ARM hardware: native/tests/neon_qemu.sh
+builds the parity harness for AArch64 (static) and runs it under qemu-aarch64-static against float64
+products of ggml's dequantised weights, next to their x86 counterparts (avx2-f32, avx2-int16) on the
+same vectors; neon-int16 must give avx2-int16's results bit for bit.
 
 Skipped only where the cross compiler or qemu is missing and cannot be installed (the script exits
-77 then). About 10 s with the harnesses cached, 30-60 s on the first run after a change to a kernel
-file (the x86 reference takes ~25 s to compile on 2 cores)."""
+77 then). About 20 s with the harnesses cached, 60-80 s on the first run after a change to a kernel
+file (the x86 references take ~25 s each to compile on 2 cores)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,12 @@ def test_neon_family_under_qemu():
     assert proc.returncode == 0, out[-12000:]
     lines = [line for line in proc.stdout.splitlines() if "kernel_parity:" in line]
     assert any("kernel_parity: PASS: neon-f32" in line for line in lines), out[-12000:]
+    # qemu's default CPU has the dot product: the integer family runs (not skipped)
+    assert any("kernel_parity: PASS: neon-int16" in line for line in lines), out[-12000:]
     if os.uname().machine == "x86_64":
-        assert any(("kernel_parity: PASS: avx2-f32" in line or "kernel_parity: SKIP: avx2-f32" in line)
-                   for line in lines), out[-12000:]
+        for fam in ("avx2-f32", "avx2-int16"):
+            assert any((f"kernel_parity: PASS: {fam}" in line or f"kernel_parity: SKIP: {fam}" in line)
+                       for line in lines), out[-12000:]
+        if "kernel_parity: PASS: avx2-int16" in proc.stdout:  # the integer pair agrees bit for bit
+            assert "neon-int16 and avx2-int16 results bit-identical" in proc.stdout, out[-12000:]
     assert "neon_qemu: PASS" in proc.stdout, out[-12000:]

@@ -673,8 +673,8 @@ static void test_api_edges(const model * m, const char * work) {
  * ------------------------------------------------------------------------------------------- */
 
 static const char * const FAMILIES[] = {"generic", "avx512-bf16", "amx-bf16", "vnni-int24", "avxvnni-int16", "avx2-int16",
-                                        "avx2-f32", "neon-f32"};
-#define N_FAMILIES 8
+                                        "avx2-f32", "neon-f32", "neon-int16"};
+#define N_FAMILIES 9
 static bool g_family_ok[N_FAMILIES];
 static const int COLS[] = {1, 3, 17, 40};
 #define N_COLS 4

@@ -101,16 +101,6 @@ static void deq_q3_K(const uint8_t * b, float * out, bool add) {
     }
 }
 
-static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * d, uint8_t * m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
-    }
-}
-
 static void deq_q45_K(const uint8_t * b, float * out, bool q5, bool add) {
     const float d = h2f(b), dmin = h2f(b + 2);
     const uint8_t * scales = b + 4;
@@ -119,8 +109,8 @@ static void deq_q45_K(const uint8_t * b, float * out, bool q5, bool add) {
     const uint8x16_t qh[2] = {q5 ? vld1q_u8(b + 16) : vdupq_n_u8(0), q5 ? vld1q_u8(b + 32) : vdupq_n_u8(0)};
     for (int z = 0; z < 4; z++) {
         uint8_t s0, m0, s1, m1;
-        scale_min_k4(2 * z, scales, &s0, &m0);
-        scale_min_k4(2 * z + 1, scales, &s1, &m1);
+        bs_k4_scale_min(2 * z, scales, &s0, &m0);
+        bs_k4_scale_min(2 * z + 1, scales, &s1, &m1);
         const uint8x16_t b0 = vdupq_n_u8((uint8_t)(1u << (2 * z))), b1 = vdupq_n_u8((uint8_t)(2u << (2 * z)));
         for (int h = 0; h < 2; h++) {
             const uint8x16_t q = vld1q_u8(qs + 32 * z + 16 * h);

@@ -14,8 +14,7 @@
 #ifndef BS_AVX2_QUANTS_H
 #define BS_AVX2_QUANTS_H
 
-enum { T_NONE, T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_Q8_0, T_Q4_0, T_Q4_1, T_IQ2_XXS, T_IQ2_XS, T_IQ3_S,
-       T_IQ1_M, T_COUNT };
+#include "bs_codes.h"
 
 /* iq2.c's tables, for the family that takes IQ bases (NULL elsewhere: those never decode them) */
 static const bs_iq_tables * avx2_iq;
@@ -25,30 +24,6 @@ static inline enum ggml_type iq_ggml(int t) {
     return t == T_IQ2_XXS ? GGML_TYPE_IQ2_XXS : t == T_IQ2_XS ? GGML_TYPE_IQ2_XS : t == T_IQ1_M ? GGML_TYPE_IQ1_M
                                                                                          : GGML_TYPE_IQ3_S;
 }
-
-static int tcode(const uint8_t * data, enum ggml_type t) {
-    if (data == NULL) return T_NONE;
-    switch (t) {
-        case GGML_TYPE_Q2_K: return T_Q2_K;
-        case GGML_TYPE_Q3_K: return T_Q3_K;
-        case GGML_TYPE_Q4_K: return T_Q4_K;
-        case GGML_TYPE_Q5_K: return T_Q5_K;
-        case GGML_TYPE_Q6_K: return T_Q6_K;
-        case GGML_TYPE_Q8_0: return T_Q8_0;
-        case GGML_TYPE_Q4_0: return T_Q4_0;
-        case GGML_TYPE_Q4_1: return T_Q4_1;
-        case GGML_TYPE_IQ2_XXS: return T_IQ2_XXS;
-        case GGML_TYPE_IQ2_XS: return T_IQ2_XS;
-        case GGML_TYPE_IQ3_S: return T_IQ3_S;
-        case GGML_TYPE_IQ1_M: return T_IQ1_M;
-        default: return -1;
-    }
-}
-
-/* elements per block and bytes per block of each code */
-static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32, 256, 256, 256, 256};
-static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20, BS_IQ2XXS_BYTES, BS_IQ2XS_BYTES, BS_IQ3S_BYTES,
-                                    BS_IQ1M_BYTES};
 
 typedef struct {
     const uint8_t * p;  /* the unit's first byte */
@@ -74,16 +49,6 @@ INL void scales16(__m128i v, float d, float z, float * D, float * O) {
     _mm256_storeu_ps(O + 8, _mm256_mul_ps(zz, b));
 }
 
-static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * d, uint8_t * m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
-    }
-}
-
 INL void prep(int t, ustate * s, const uint8_t * b) {
     s->p = b;
     switch (t) {
@@ -106,7 +71,7 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
             const float d = h2f(b), dmin = h2f(b + 2);
             for (int j = 0; j < 8; j++) {
                 uint8_t sc, m;
-                scale_min_k4(j, b + 4, &sc, &m);
+                bs_k4_scale_min(j, b + 4, &sc, &m);
                 s->D[j] = d * (float)sc;
                 s->O[j] = -dmin * (float)m;
             }
@@ -290,7 +255,7 @@ INL void iscales(int t, const uint8_t * b, __m256i * S, float * d, float * O) {
             *d = h2f(b);
             for (int j = 0; j < 8; j++) {
                 uint8_t s1, m;
-                scale_min_k4(j, b + 4, &s1, &m);
+                bs_k4_scale_min(j, b + 4, &s1, &m);
                 sc[2 * j] = sc[2 * j + 1] = (int16_t)s1;
                 O[2 * j] = O[2 * j + 1] = -dmin * (float)m;
             }
@@ -305,10 +270,6 @@ INL void iscales(int t, const uint8_t * b, __m256i * S, float * d, float * O) {
 }
 
 INL size_t toff(int t, int64_t k) { return (size_t)(k / T_BLCK[t]) * (size_t)T_SIZE[t]; }
-
-/* values per unit of a product of these codes: 256 where a superblock type is in it (then
- * K % 256 == 0), else 32 (T_NONE's block is 1) */
-static inline int unit_of(int bt, int rt) { return (T_BLCK[bt] == 256 || T_BLCK[rt] == 256) ? 256 : 32; }
 
 /* whether this CPU runs the AVX2 families: AVX2 + FMA + F16C */
 static int avx2_cpu_cached = -1;

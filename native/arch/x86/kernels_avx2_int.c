@@ -12,7 +12,7 @@
  * the sums of X over each 16 values. The fast drafter (base alone) keeps one digit: 8-bit
  * activations, as ggml's own K-quant products use. A verify pass's product of the residual alone
  * (add mode: the device computes W2 . x) takes the high digit alone, d1 = round(X / 255) (8 bits,
- * half the multiplies), in every block whose largest value is within HI_SPAN times its mean
+ * half the multiplies), in every block whose largest value is within BS_HI_SPAN times its mean
  * magnitude; a block with an outlier keeps both digits (one scale per 256 values would flatten the
  * outlier's neighbours). The choice is the column's own (from its integers), so batch-invariant.
  *
@@ -49,31 +49,13 @@
 
 #include "avx2_quants.h"
 
-#define XMAX2 32512 /* 255*127 + 127: two base-255 digits in [-127, 127] */
-#define XMAX1 127   /* one digit (the fast drafter) */
 #define PF_AHEAD 1024  /* bytes of each row read ahead of the unit being computed */
 #define FUSED_COLS 6   /* up to here each pair of columns decodes the weights again, in registers */
-#define HI_SPAN 16     /* the residual's 8-bit activations: blocks whose max is within 16x their mean |x| */
 
 /* the same jobs avx2-f32 takes (the types a split holds, rows a multiple of their block) */
 static bool int16_supports(const bs_job * job) { return bs_f32_family_supports(job); }
 
-/* values per activation block: those of a unit of weights (unit_of), for a job the family takes */
-static int64_t qa_of(const bs_job * job) {
-    return unit_of(tcode(job->w2, job->w2_type), tcode(job->r, job->r_type));
-}
-
-/* one column's activations: digits d0[K], d1[K], then xs16[K/16] (sums of X over 16 values, exact
- * in f32), xh16[K/16] (sums of 255 d1 over 16 values: the residual's offsets, below), s[K/QA] (the
- * block scales), then hi[K/QA] (1 where the residual takes the block's high digit alone); 64-byte
- * aligned */
-static size_t col_bytes(const bs_job * job) {
-    const size_t K = (size_t)job->K, nb = K / (size_t)qa_of(job);
-    const size_t n = 2 * K + (2 * (K / 16) + nb) * sizeof(float) + nb;
-    return (n + 63) & ~(size_t)63;
-}
-
-static size_t int16_acts_size(const bs_job * job) { return (size_t)job->n_cols * col_bytes(job) + 64; }
+static size_t int16_acts_size(const bs_job * job) { return (size_t)job->n_cols * int16_col_bytes(job) + 64; }
 
 /* the sum of the 8 int32 lanes (exact: callers' sums stay far inside int32) */
 INL int32_t hsum8_epi32(__m256i v) {
@@ -84,10 +66,10 @@ INL int32_t hsum8_epi32(__m256i v) {
 }
 
 TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
-    const int64_t K = job->K, qa = qa_of(job);
+    const int64_t K = job->K, qa = int16_qa(job);
     const bool coarse = job->draft; /* the fast drafter: one digit */
-    const int xmax = coarse ? XMAX1 : XMAX2;
-    const size_t cb = col_bytes(job);
+    const int xmax = coarse ? BS_XMAX1 : BS_XMAX2;
+    const size_t cb = int16_col_bytes(job);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i lim = _mm256_set1_epi32(xmax), nlim = _mm256_set1_epi32(-xmax);
     const __m256 inv255 = _mm256_set1_ps(1.0f / 255.0f);
@@ -139,9 +121,9 @@ TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
                 xh16[(t * qa + i) / 16] = 255.0f * (float)hsum8_epi32(sumh);
             }
             /* the residual takes the high digit alone (8 bits) unless the block's largest value is
-             * more than HI_SPAN times its mean magnitude (an outlier, whose scale would flatten its
+             * more than BS_HI_SPAN times its mean magnitude (an outlier, whose scale would flatten its
              * neighbours): decided from the column's own integers, so batch-invariant */
-            hiv[t] = !coarse && (int64_t)HI_SPAN * hsum8_epi32(sabs) >= qa * (int64_t)xmax;
+            hiv[t] = !coarse && (int64_t)BS_HI_SPAN * hsum8_epi32(sabs) >= qa * (int64_t)xmax;
         }
     }
 }
@@ -431,7 +413,7 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
     }
     const int qa = unit_of(bt, rt);
     const int ng = qa / 32;
-    const size_t cb = col_bytes(job);
+    const size_t cb = int16_col_bytes(job);
     uint8_t * mem = bs_scratch_get(scratch, 2 * sizeof(unit_buf) + (size_t)nc * sizeof(__m256) + 64);
     if (mem == NULL) {
         return; /* the caller checked capacity before; cannot happen */

@@ -181,16 +181,6 @@ TGT static void dec_q3_K(const uint8_t * b, wblock * w) {
     }
 }
 
-static inline void scale_min_k4_i(int j, const uint8_t * q, uint8_t * d, uint8_t * m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
-    }
-}
-
 /* Q4_K / Q5_K: sub-blocks of 32; u[z] = [low nibbles (sub-block 2z), high nibbles (2z+1)] */
 TGT static void dec_q45_K(const uint8_t * b, wblock * w, bool q5) {
     const float d = h2f(b), dmin = h2f(b + 2);
@@ -199,7 +189,7 @@ TGT static void dec_q45_K(const uint8_t * b, wblock * w, bool q5) {
     float Dv[8], Ov[16];
     for (int j = 0; j < 8; j++) {
         uint8_t s, m;
-        scale_min_k4_i(j, scales, &s, &m);
+        bs_k4_scale_min(j, scales, &s, &m);
         Dv[j] = d * s;
         Ov[2 * j] = Ov[2 * j + 1] = -dmin * m;
     }

@@ -141,16 +141,6 @@ TGT_AVX512 static void deq_q3_K(const uint8_t * b, float * out) {
     }
 }
 
-static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * d, uint8_t * m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
-    }
-}
-
 /* Q4_K (qh == NULL) and Q5_K */
 TGT_AVX512 static void deq_q45_K(const uint8_t * b, const uint8_t * scales, const uint8_t * qh, const uint8_t * qs,
                                  float * out) {
@@ -159,8 +149,8 @@ TGT_AVX512 static void deq_q45_K(const uint8_t * b, const uint8_t * scales, cons
     const __m256i h = qh ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
     for (int j = 0; j < 4; j++) {
         uint8_t s1, m1, s2, m2;
-        scale_min_k4(2 * j, scales, &s1, &m1);
-        scale_min_k4(2 * j + 1, scales, &s2, &m2);
+        bs_k4_scale_min(2 * j, scales, &s1, &m1);
+        bs_k4_scale_min(2 * j + 1, scales, &s2, &m2);
         const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
         __m256i lo = _mm256_and_si256(q, m4);
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
@@ -434,8 +424,8 @@ TGT_AVX512 static void bf16_q45_K(const uint8_t * row, int64_t k0, int64_t n_el,
         const __m256i hb = q5 ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             uint8_t s1, m1, s2, m2;
-            scale_min_k4(2 * j, scales, &s1, &m1);
-            scale_min_k4(2 * j + 1, scales, &s2, &m2);
+            bs_k4_scale_min(2 * j, scales, &s1, &m1);
+            bs_k4_scale_min(2 * j + 1, scales, &s2, &m2);
             const __m512 D1 = _mm512_set1_ps(d * s1), M1 = _mm512_set1_ps(dmin * m1);
             const __m512 D2 = _mm512_set1_ps(d * s2), M2 = _mm512_set1_ps(dmin * m2);
             const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
