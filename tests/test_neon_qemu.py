@@ -40,3 +40,27 @@ def test_neon_family_under_qemu():
         if "kernel_parity: PASS: avx2-int16" in proc.stdout:  # the integer pair agrees bit for bit
             assert "neon-int16 and avx2-int16 results bit-identical" in proc.stdout, out[-12000:]
     assert "neon_qemu: PASS" in proc.stdout, out[-12000:]
+
+
+NATIVE_SCRIPT = ROOT / "native" / "tests" / "native_qemu.sh"
+
+
+def test_native_library_under_qemu():
+    """The whole native library built for AArch64 (UBSan) and its C test run under qemu: the loader
+    and its refusal of corrupt files, the pool, the policy and every ARM family on tiny split models
+    (native/tests/native_qemu.sh; 5-6 minutes on 2 cores, a minute more the first time, when it
+    builds libggml-base for AArch64 from the installed llama-cpp-python's sdist)."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("the qemu run is for x86-64 hosts; on AArch64 run_sanitizers.sh runs test_native natively")
+    proc = subprocess.run(["bash", str(NATIVE_SCRIPT)], cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=2400)
+    out = proc.stdout + proc.stderr
+    print(out)
+    if proc.returncode == 77:
+        reason = next((line for line in proc.stderr.splitlines() if "SKIP" in line), out.strip()[-300:])
+        pytest.skip(reason)
+    assert proc.returncode == 0, out[-12000:]
+    # one line per model: "native_qemu: q6k (220s): PASS: ...; families generic,neon-f32,neon-int16; ..."
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("native_qemu: ") and "): PASS: " in line]
+    assert len(runs) == 2 and all("neon-int16" in line and "neon-f32" in line for line in runs), out[-12000:]
+    assert "native_qemu: PASS" in proc.stdout, out[-12000:]
