@@ -18,6 +18,14 @@
  * (as on a 2-core Zen 3), B's slope is about half A's. A here is a plain loop, slower than the
  * family's tuned kernel (about 1.2-1.8x at 1-2 columns with decoding): read the ratios, not a
  * projection of the pass.
+ *
+ * B was then built into the family (stop 34, not landed) and did not keep this promise at the batch
+ * sizes that matter: on a 2-core Zen 3, W2 + R over Qwen2.5-Coder-1.5B's q6_k split (bench/native_ab.py,
+ * one process, interleaved), time B / A 1.04-1.12 at 1 column, 0.91-1.05 at 2, 1.00-1.13 at 4, but
+ * 0.75-0.91 at 8 and 0.72-0.76 at 16. The tuned A issues about as many instructions per unit as B
+ * (321 against 338 vector instructions for both halves at 2 columns; B's widening, vpmullw and
+ * centring are paid per group whatever the batch), and the pass follows the instruction count, not
+ * the multiplies, where B saves (96 against 128).
  */
 #include <immintrin.h>
 #include <stdint.h>
