@@ -38,9 +38,12 @@ static const int T_BLCK[T_COUNT] = {1, 256, 256, 256, 256, 256, 32, 32, 32, 256,
 static const int T_SIZE[T_COUNT] = {0, 84, 110, 144, 176, 210, 34, 18, 20, BS_IQ2XXS_BYTES, BS_IQ2XS_BYTES, BS_IQ3S_BYTES,
                                     BS_IQ1M_BYTES};
 
+/* whether a code is a superblock type (blocks of 256 values: Q2_K .. Q6_K and the IQ types) */
+static inline bool superblock(int t) { return T_BLCK[t] == 256; }
+
 /* values per unit of a product of these codes: 256 where a superblock type is in it (then
  * K % 256 == 0), else 32 (T_NONE's block is 1) */
-static inline int unit_of(int bt, int rt) { return (T_BLCK[bt] == 256 || T_BLCK[rt] == 256) ? 256 : 32; }
+static inline int unit_of(int bt, int rt) { return (superblock(bt) || superblock(rt)) ? 256 : 32; }
 
 /* ---------------------------------------------------------------------------------------------
  * The integer families' activations: per column, blocks of QA values (a unit) scaled to integers

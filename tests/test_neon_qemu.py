@@ -17,19 +17,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "native" / "tests" / "neon_qemu.sh"
+SCRIPTS = ROOT / "native" / "tests"
 
 
-def test_neon_family_under_qemu():
-    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
-                          capture_output=True, text=True, timeout=600)
+def _run(script: str, timeout: int) -> tuple[str, str]:
+    """Runs native/tests/SCRIPT; skips where it exits 77 (a tool missing that cannot be installed),
+    else asserts it passed. Returns (stdout, stdout + stderr)."""
+    proc = subprocess.run(["bash", str(SCRIPTS / script)], cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     print(out)
     if proc.returncode == 77:
         reason = next((line for line in proc.stderr.splitlines() if "SKIP" in line), out.strip()[-300:])
         pytest.skip(reason)
     assert proc.returncode == 0, out[-12000:]
-    lines = [line for line in proc.stdout.splitlines() if "kernel_parity:" in line]
+    return proc.stdout, out
+
+
+def test_neon_family_under_qemu():
+    stdout, out = _run("neon_qemu.sh", 600)
+    lines = [line for line in stdout.splitlines() if "kernel_parity:" in line]
     assert any("kernel_parity: PASS: neon-f32" in line for line in lines), out[-12000:]
     # qemu's default CPU has the dot product: the integer family runs (not skipped)
     assert any("kernel_parity: PASS: neon-int16" in line for line in lines), out[-12000:]
@@ -37,12 +44,9 @@ def test_neon_family_under_qemu():
         for fam in ("avx2-f32", "avx2-int16"):
             assert any((f"kernel_parity: PASS: {fam}" in line or f"kernel_parity: SKIP: {fam}" in line)
                        for line in lines), out[-12000:]
-        if "kernel_parity: PASS: avx2-int16" in proc.stdout:  # the integer pair agrees bit for bit
-            assert "neon-int16 and avx2-int16 results bit-identical" in proc.stdout, out[-12000:]
-    assert "neon_qemu: PASS" in proc.stdout, out[-12000:]
-
-
-NATIVE_SCRIPT = ROOT / "native" / "tests" / "native_qemu.sh"
+        if "kernel_parity: PASS: avx2-int16" in stdout:  # the integer pair agrees bit for bit
+            assert "neon-int16 and avx2-int16 results bit-identical" in stdout, out[-12000:]
+    assert "neon_qemu: PASS" in stdout, out[-12000:]
 
 
 def test_native_library_under_qemu():
@@ -52,15 +56,8 @@ def test_native_library_under_qemu():
     builds libggml-base for AArch64 from the installed llama-cpp-python's sdist)."""
     if os.uname().machine != "x86_64":
         pytest.skip("the qemu run is for x86-64 hosts; on AArch64 run_sanitizers.sh runs test_native natively")
-    proc = subprocess.run(["bash", str(NATIVE_SCRIPT)], cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
-                          capture_output=True, text=True, timeout=2400)
-    out = proc.stdout + proc.stderr
-    print(out)
-    if proc.returncode == 77:
-        reason = next((line for line in proc.stderr.splitlines() if "SKIP" in line), out.strip()[-300:])
-        pytest.skip(reason)
-    assert proc.returncode == 0, out[-12000:]
+    stdout, out = _run("native_qemu.sh", 2400)
     # one line per model: "native_qemu: q6k (220s): PASS: ...; families generic,neon-f32,neon-int16; ..."
-    runs = [line for line in proc.stdout.splitlines() if line.startswith("native_qemu: ") and "): PASS: " in line]
+    runs = [line for line in stdout.splitlines() if line.startswith("native_qemu: ") and "): PASS: " in line]
     assert len(runs) == 2 and all("neon-int16" in line and "neon-f32" in line for line in runs), out[-12000:]
-    assert "native_qemu: PASS" in proc.stdout, out[-12000:]
+    assert "native_qemu: PASS" in stdout, out[-12000:]

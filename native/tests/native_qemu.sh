@@ -19,9 +19,9 @@
 set -euo pipefail
 T0=$(date +%s)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=$(command -v python3 || command -v python); fi
-fi
+TOOL=native_qemu
+# shellcheck source=native/tests/qemu_tools.sh
+. "$ROOT/native/tests/qemu_tools.sh" # PYTHON, skip, need
 CROSS_CC=aarch64-linux-gnu-gcc
 CROSS_CXX=aarch64-linux-gnu-g++
 QEMU=qemu-aarch64-static
@@ -29,21 +29,7 @@ SYSROOT=/usr/aarch64-linux-gnu
 FLIPS=${BITSPLIT_QEMU_FLIPS:-20}
 
 say() { echo "native_qemu: $*"; }
-skip() { echo "native_qemu: SKIP: $*" >&2; exit 77; }
 die() { echo "native_qemu: FAIL: $*" >&2; exit 1; }
-
-need() { # need COMMAND DEBIAN_PACKAGE
-    command -v "$1" >/dev/null && return 0
-    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-        say "$1 not found; installing $2 with apt-get" >&2
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get install -y -q "$2" >/dev/null 2>&1 ||
-            { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$2" >/dev/null 2>&1; } || true
-        command -v "$1" >/dev/null && return 0
-        skip "$1 not found, even after trying 'apt-get install $2'"
-    fi
-    skip "$1 not found (install the Debian package $2: apt-get install $2, as root)"
-}
 [[ "$(uname -m)" == x86_64 ]] || skip "runs on x86-64 hosts (on AArch64, run native/tests/run_sanitizers.sh)"
 need "$CROSS_CC" gcc-aarch64-linux-gnu
 need "$CROSS_CXX" g++-aarch64-linux-gnu
@@ -103,20 +89,7 @@ say "building native/ and test_native.c for AArch64 ($CROSS_CC, -fsanitize=undef
 
 # --- tiny split models (the files are the same on every architecture) ------------------------------
 say "making tiny split models"
-"$PYTHON" - "$WORK" <<'EOF' || die "could not make the tiny split models"
-import sys
-from pathlib import Path
-sys.path.insert(0, "tests")
-from synth import tiny_llama_weights, write_llama_gguf, write_tiny_llama
-from bitsplit_llama.formats.split import split_model
-
-work = Path(sys.argv[1])
-dense = write_tiny_llama(work / "tiny-f32.gguf")
-moe = write_llama_gguf(work / "tiny-moe-f32.gguf", tiny_llama_weights(n_expert=4, n_layer=1))
-split_model(dense, work / "q6k", threads=2)                                   # Q2_K mix base, Q6_K residual
-split_model(moe, work / "moe-q8", residual="q8_0", threads=2)               # 3-D expert tensors, Q8_0
-split_model(dense, work / "f16", residual="f16", base_ftype="q4_k_m", threads=2)  # Q4_K/Q6_K base, F16
-EOF
+"$PYTHON" native/tests/make_split_models.py "$WORK" q6k moe-q8 f16 || die "could not make the tiny split models"
 
 # --- run under qemu ----------------------------------------------------------------------------------
 export QEMU_LD_PREFIX=$SYSROOT LD_LIBRARY_PATH=$GGML UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"

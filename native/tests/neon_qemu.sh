@@ -27,29 +27,14 @@
 set -euo pipefail
 T0=$(date +%s.%N)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=$(command -v python3 || command -v python); fi
-fi
+TOOL=neon_qemu
+# shellcheck source=native/tests/qemu_tools.sh
+. "$ROOT/native/tests/qemu_tools.sh" # PYTHON, skip, need
 CC=${CC:-cc}
 CROSS_CC=${CROSS_CC:-aarch64-linux-gnu-gcc}
 QEMU=${QEMU:-qemu-aarch64-static}
 HOST=$(uname -m)
 
-skip() { echo "neon_qemu: SKIP: $*" >&2; exit 77; }
-
-# a missing tool: installed with apt-get when we are root, else a clear message and exit 77
-need() { # need COMMAND DEBIAN_PACKAGE
-    command -v "$1" >/dev/null && return 0
-    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-        echo "neon_qemu: $1 not found; installing $2 with apt-get" >&2
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get install -y -q "$2" >/dev/null 2>&1 ||
-            { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$2" >/dev/null 2>&1; } || true
-        command -v "$1" >/dev/null && return 0
-        skip "$1 not found, even after trying 'apt-get install $2'"
-    fi
-    skip "$1 not found (install the Debian package $2: apt-get install $2, as root)"
-}
 
 if [[ "$HOST" == "aarch64" ]]; then
     CROSS_CC=$CC # the AArch64 harness runs natively; there is no x86 family to compare with

@@ -73,28 +73,7 @@ fi
 
 # --- tiny split models ------------------------------------------------------------------------------
 say "making tiny split models"
-"$PY" - "$WORK" <<'EOF' || die "could not make the tiny split models"
-import sys
-from pathlib import Path
-sys.path.insert(0, "tests")
-from synth import tiny_llama_weights, write_llama_gguf, write_tiny_llama
-from bitsplit_llama.formats.split import split_model
-
-work = Path(sys.argv[1])
-dense = write_tiny_llama(work / "tiny-f32.gguf")
-moe = write_llama_gguf(work / "tiny-moe-f32.gguf", tiny_llama_weights(n_expert=4, n_layer=1))
-split_model(dense, work / "q6k", threads=2)                                   # Q2_K mix base, Q6_K residual
-split_model(moe, work / "moe-q8", residual="q8_0", threads=2)               # 3-D expert tensors, Q8_0
-split_model(dense, work / "f16", residual="f16", base_ftype="q4_k_m", threads=2)  # Q4_K/Q6_K base, F16
-from gguf.constants import GGMLQuantizationType as QT
-exact = write_llama_gguf(work / "tiny-exact.gguf", tiny_llama_weights(5), types={"output.weight": int(QT.Q6_K)})
-split_model(exact, work / "q4k", residual="q4_k", threads=2)  # Q4_K residual, an output head kept exact
-from bitsplit_llama.tools.imatrix import calibration_text, compute_imatrix
-(work / "text.txt").write_text(calibration_text().read_text()[:6000])
-compute_imatrix(dense, work / "text.txt", work / "im.gguf", n_ctx=64, chunks=4, threads=2)
-split_model(dense, work / "iq2", base_ftype="iq2_xxs", imatrix=work / "im.gguf", threads=2)  # IQ2_XXS base
-split_model(dense, work / "iq1m", base_ftype="iq1_m", imatrix=work / "im.gguf", threads=2)  # IQ1_M mix base
-EOF
+"$PY" native/tests/make_split_models.py "$WORK" || die "could not make the tiny split models"
 
 # --- run ----------------------------------------------------------------------------------------------
 # the harness itself: a read one byte past a residual's (heap-copied) map must be an ASan report

@@ -41,8 +41,6 @@
 
 #include "bs_codes.h" /* the type codes and the activation layout, avx2-int16's */
 
-static inline bool superblock(int t) { return T_BLCK[t] == 256; }
-
 static bool dot_cpu(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0; }
 
 /* the same jobs avx2-int16 takes (the types a split holds, rows a multiple of their block) */
@@ -81,14 +79,15 @@ TGT static void dot_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
                     sum += vaddvq_s32(X);
                     sabs += vaddvq_s32(vabsq_s32(X));
                     /* X = 255 hi + lo, hi = round(X / 255) as avx2-int16 computes it, |lo| <= 127 */
-                    int32x4_t hi = coarse ? vdupq_n_s32(0) : vcvtnq_s32_f32(vmulq_f32(vcvtq_f32_s32(X), inv255));
-                    int32x4_t lo = vsubq_s32(X, vmulq_n_s32(hi, 255));
+                    const int32x4_t hi = coarse ? vdupq_n_s32(0) : vcvtnq_s32_f32(vmulq_f32(vcvtq_f32_s32(X), inv255));
+                    const int32x4_t lo = vsubq_s32(X, vmulq_n_s32(hi, 255));
                     sumh += vaddvq_s32(hi);
+                    int32_t l4[4], h4[4];
+                    vst1q_s32(l4, lo);
+                    vst1q_s32(h4, hi);
                     for (int l = 0; l < 4; l++) {
-                        d0[t * qa + j + l] = (int8_t)vgetq_lane_s32(lo, 0);
-                        d1[t * qa + j + l] = (int8_t)vgetq_lane_s32(hi, 0);
-                        lo = vextq_s32(lo, lo, 1);
-                        hi = vextq_s32(hi, hi, 1);
+                        d0[t * qa + j + l] = (int8_t)l4[l];
+                        d1[t * qa + j + l] = (int8_t)h4[l];
                     }
                 }
                 xs16[(t * qa + i) / 16] = (float)sum;

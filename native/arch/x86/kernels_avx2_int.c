@@ -142,8 +142,6 @@ typedef struct {
     float d;
 } unit_buf;
 
-INL bool superblock(int t) { return T_BLCK[t] == 256; }
-
 /* int16 lanes [sc[2g] x8 | sc[2g+1] x8] from the 16 scales S: vpmaddwd's layout of the pair sums
  * of vpmaddubsw (values 0-15 of the group in the low 128 bits) */
 INL __m256i group_scales(__m256i S, int g) {
