@@ -43,10 +43,12 @@ typedef struct bs_entry {
     struct bitsplit_ctx * ctx;
 } bs_entry;
 
-/* Per-thread scratch, grown by its own thread only. */
+/* Per-thread scratch, grown by its own thread only. failed: the size of the last request that could
+ * not be allocated (0: none; bs_run_job clears it before a family's rows and reports it after) */
 typedef struct bs_scratch {
     void * buf;
     size_t size;
+    size_t failed;
 } bs_scratch;
 
 /* One weight product over a range of rows: y[c][r] (+)= sum_k (W2[r][k] + R[r][k]) x[c][k]. */
@@ -256,6 +258,7 @@ struct bitsplit_ctx {
     void * gather; /* MUL_MAT_ID: gathered columns and results */
     size_t gather_size;
     bs_scratch scratch[BS_MAX_THREADS];
+    atomic_bool job_failed; /* a thread of the product running on the pool could not compute its rows */
     atomic_int bar_count;
     atomic_int bar_gen;
 

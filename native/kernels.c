@@ -103,7 +103,7 @@ static void generic_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch 
     const int64_t K = job->K;
     float * w = (float *)bs_scratch_get(scratch, 2 * (size_t)K * sizeof(float));
     if (w == NULL) {
-        return; /* the caller checked capacity before; cannot happen */
+        return; /* out of memory: bs_run_job reports it (scratch->failed) */
     }
     float * rr = w + K;
     const bool bf16 = job->precision == BITSPLIT_PREC_BF16;

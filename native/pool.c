@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include "bitsplit.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -227,7 +228,21 @@ void bs_run_job(bitsplit_ctx * ctx, const bs_job * job, int ith, int nth) {
         r1 = job->N;
     }
     if (r0 < r1) {
-        fam->rows(job, r0, r1, &ctx->scratch[ith]);
+        bs_scratch * s = &ctx->scratch[ith];
+        s->failed = 0;
+        fam->rows(job, r0, r1, s);
+        if (s->failed != 0) {
+            /* the family could not allocate its scratch and left these rows: NaN, never stale
+             * values, and an error for the caller (bitsplit_ctx_take_error, bs_run_on_pool) */
+            for (int64_t c = 0; c < job->n_cols; c++) {
+                for (int64_t r = r0; r < r1; r++) job->y[c * job->ldy + r] = NAN;
+            }
+            bs_record_error(ctx, BITSPLIT_E_NOMEM,
+                            "out of memory: kernel family %s could not allocate %zu bytes of scratch for a product "
+                            "of %lld x %lld on %lld columns", fam->name, s->failed, (long long)job->N,
+                            (long long)job->K, (long long)job->n_cols);
+            atomic_store(&ctx->job_failed, true);
+        }
     }
 }
 
@@ -334,6 +349,7 @@ int bs_run_on_pool(bitsplit_ctx * ctx, bs_job * job) {
     }
     job->acts = ctx->acts;
     pool_job_arg a = {ctx, job};
+    atomic_store(&ctx->job_failed, false);
     pool_run(ctx->pool, pool_job_fn, &a, nth);
-    return BITSPLIT_OK;
+    return atomic_load(&ctx->job_failed) ? BITSPLIT_E_NOMEM : BITSPLIT_OK;
 }

@@ -5,7 +5,8 @@
 
 #include "bs_internal.h"
 
-/* grow by whole pages, 64-byte aligned; on failure the old buffer is kept and NULL returned */
+/* grow by whole pages, 64-byte aligned; on failure the old buffer is kept, the size asked noted in
+ * s->failed and NULL returned */
 void * bs_scratch_get(bs_scratch * s, size_t size) {
     if (s->size >= size) {
         return s->buf;
@@ -13,6 +14,7 @@ void * bs_scratch_get(bs_scratch * s, size_t size) {
     size_t want = (size + 4095) & ~(size_t)4095;
     void * p = NULL;
     if (posix_memalign(&p, 64, want) != 0) {
+        s->failed = size;
         return NULL;
     }
     free(s->buf);

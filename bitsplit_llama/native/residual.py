@@ -241,6 +241,7 @@ class Residual:
         if st == self._lib.BITSPLIT_E_UNSUPPORTED:
             return None
         if st != 0:
+            self.raise_pending_error()  # the kernel's own message (out of memory in a thread), if any
             _raise(st, f"draft_matmul on '{name}' failed: {native.status_text(st)}")
         return y
 
@@ -267,5 +268,6 @@ class Residual:
         st = self._lib.bitsplit_ctx_matmul(self.ptr, name.encode(), self._ffi.cast("float *", x.ctypes.data),
                                            x.shape[0], self._ffi.cast("float *", y.ctypes.data), bool(with_base))
         if st != 0:
+            self.raise_pending_error()  # the kernel's own message (out of memory in a thread), if any
             _raise(st, f"matmul on '{name}' failed: {native.status_text(st)}")
         return y

@@ -84,7 +84,7 @@ fi
 say "building native/ and test_native.c for AArch64 ($CROSS_CC, -fsanitize=undefined)"
 "$CROSS_CC" -std=c11 -O1 -g -fsanitize=undefined -fno-sanitize-recover=all -Wall -Wno-unused-function -DBS_TEST_HOOKS \
     -Inative -I"$INC" native/tests/test_native.c native/*.c native/arch/arm/*.c -o "$WORK/test_native" \
-    -L"$GGML" -l:libggml-base.so.0 -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits -lpthread -lm ||
+    -L"$GGML" -l:libggml-base.so.0 -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits,--wrap=posix_memalign -lpthread -lm ||
     die "build failed"
 
 # --- tiny split models (the files are the same on every architecture) ------------------------------

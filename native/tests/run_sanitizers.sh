@@ -53,7 +53,7 @@ say "building with $CC ${SAN[*]} against $INC and $LIB/libggml-base.so.0"
     -Inative -I"$INC" \
     native/tests/test_native.c native/*.c native/arch/"$ARCH"/*.c \
     -o "$WORK/test_native" \
-    -L"$LIB" -l:libggml-base.so.0 -Wl,-rpath,"$LIB" -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits -lpthread -lm \
+    -L"$LIB" -l:libggml-base.so.0 -Wl,-rpath,"$LIB" -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits,--wrap=posix_memalign -lpthread -lm \
     || die "build failed"
 
 # --- LeakSanitizer available? (it needs ptrace-like access to the process; some sandboxes refuse) ---

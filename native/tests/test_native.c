@@ -15,7 +15,8 @@
  *     -v             verbose: ggml's log, per-case lines and measured error ratios
  *
  * Built by native/tests/run_sanitizers.sh with ASan/UBSan and -DBS_TEST_HOOKS, linked with
- * -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits: the library's read-only file maps become
+ * -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits,--wrap=posix_memalign: the library's
+ * allocations can be made to fail, and its read-only file maps become
  * heap copies whose bytes past the end of the file are poisoned, and ggml's dequantizers (not
  * instrumented) check their input first, so ASan sees any read past the end of a residual or base
  * file (it cannot see into mmap'd pages).
@@ -30,6 +31,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -265,10 +267,24 @@ static void release_maps(void) {
         }
     }
 }
+
+/* posix_memalign (every 64-byte-aligned buffer of the library: activations, per-thread scratch)
+ * fails with ENOMEM on the n-th call after g_memalign_fail_in is set to n (0: never) */
+int __real_posix_memalign(void ** p, size_t align, size_t size);
+static atomic_int g_memalign_fail_in;
+
+int __wrap_posix_memalign(void ** p, size_t align, size_t size) {
+    if (atomic_load(&g_memalign_fail_in) > 0 && atomic_fetch_sub(&g_memalign_fail_in, 1) == 1) {
+        return ENOMEM;
+    }
+    return __real_posix_memalign(p, align, size);
+}
+#define HAVE_ALLOC_FAULTS 1
 #else
 static long live_maps(void) { return 0; }
 static void release_maps(void) {}
 static void install_traits_shims(void) {}
+#define HAVE_ALLOC_FAULTS 0
 #endif
 
 /* ---------------------------------------------------------------------------------------------
@@ -899,6 +915,85 @@ static void test_exact_products(bitsplit_ctx * ctx, const model * m) {
         free(A);
     }
     vlog("  %d exact base matrices checked\n", n_exact);
+}
+
+/* A product whose kernel family cannot allocate its per-thread scratch (every family, one thread, the
+ * n-th allocation of the product failing for n = 1..4): an out-of-memory status, the kernel's own
+ * message, its rows NaN (never the stale values the output buffer held), and the same context
+ * computing the product exactly as before once memory is back. */
+static void test_scratch_out_of_memory(const model * m) {
+#if HAVE_ALLOC_FAULTS
+    const mtensor * t = NULL;
+    for (int i = 0; i < m->nt && t == NULL; i++) {
+        if (m->t[i].E == 1 && m->t[i].K <= 2048) t = &m->t[i];
+    }
+    if (t == NULL) return;
+    enum { NC = 5 };
+    float * x = malloc((size_t)NC * t->K * sizeof(float));
+    float * y = malloc((size_t)NC * t->N * sizeof(float));
+    float * good = malloc((size_t)NC * t->N * sizeof(float));
+    make_x(x, NC * t->K, 77);
+    const size_t ny = (size_t)NC * t->N;
+    for (int f = 0; f < N_FAMILIES; f++) {
+        if (!g_family_ok[f]) continue;
+        bool scratch_failed = false;
+        for (int n = 0; n <= 4; n++) { /* n = 0: the good result, computed first */
+            char err[512] = "";
+            bitsplit_ctx * ctx = NULL;
+            if (bitsplit_ctx_load(m->res_path, m->base_path, &ctx, err, sizeof(err)) != BITSPLIT_OK) {
+                CHECK(false, "%s: load: %s", m->dir, err);
+                break;
+            }
+            CHECK(bitsplit_ctx_set_threads(ctx, 1) == BITSPLIT_OK && bitsplit_ctx_set_kernel(ctx, FAMILIES[f]) == BITSPLIT_OK,
+                  "set_threads / set_kernel %s", FAMILIES[f]);
+            for (size_t i = 0; i < ny; i++) y[i] = 12345.0f; /* stale values */
+            atomic_store(&g_memalign_fail_in, n);
+            const int st = bitsplit_ctx_matmul(ctx, t->r->name, x, NC, y, true);
+            atomic_store(&g_memalign_fail_in, 0);
+            const int est = bitsplit_ctx_take_error(ctx, err, sizeof(err));
+            if (n == 0) {
+                CHECK(st == BITSPLIT_OK && est == BITSPLIT_OK, "%s %s: product without faults: %d / %d %s", t->r->name,
+                      FAMILIES[f], st, est, err);
+                memcpy(good, y, ny * sizeof(float));
+            } else if (st == BITSPLIT_OK) { /* the product asked for fewer than n buffers */
+                CHECK(est == BITSPLIT_OK && memcmp(y, good, ny * sizeof(float)) == 0,
+                      "%s %s: allocation %d never failed, yet the result differs (error %d %s)", t->r->name,
+                      FAMILIES[f], n, est, err);
+            } else {
+                CHECK(st == BITSPLIT_E_NOMEM, "%s %s: allocation %d failed: status %d, not out of memory", t->r->name,
+                      FAMILIES[f], n, st);
+                if (est == BITSPLIT_E_NOMEM && strstr(err, "scratch") != NULL) {
+                    scratch_failed = true;
+                    CHECK(strstr(err, FAMILIES[f]) != NULL, "%s: the message does not name the family: %s", FAMILIES[f], err);
+                    size_t stale = 0, nans = 0;
+                    for (size_t i = 0; i < ny; i++) {
+                        stale += y[i] == 12345.0f;
+                        nans += isnan(y[i]);
+                    }
+                    CHECK(stale == 0 && nans == ny, "%s %s: out of scratch memory left %zu stale values, %zu NaN of %zu",
+                          t->r->name, FAMILIES[f], stale, nans, ny);
+                } else {
+                    CHECK(est == BITSPLIT_OK, "%s %s: allocation %d: unexpected error %d %s", t->r->name, FAMILIES[f],
+                          n, est, err); /* the shared activations' buffer: bs_run_on_pool's status alone */
+                }
+                /* memory back: the same context computes the product as before */
+                CHECK(bitsplit_ctx_matmul(ctx, t->r->name, x, NC, y, true) == BITSPLIT_OK &&
+                      memcmp(y, good, ny * sizeof(float)) == 0,
+                      "%s %s: after a failed allocation the context does not compute as before", t->r->name, FAMILIES[f]);
+                CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_OK, "%s: error left pending: %s",
+                      FAMILIES[f], err);
+            }
+            bitsplit_ctx_free(ctx);
+        }
+        CHECK(scratch_failed, "%s %s: no allocation 1-4 of the product was the kernel's scratch", t->r->name,
+              FAMILIES[f]);
+    }
+    free(x);
+    free(y);
+    free(good);
+#else
+    (void)m;
+#endif
 }
 
 static void test_valid_load(const model * m, bool quick) {
@@ -2341,6 +2436,7 @@ int main(int argc, char ** argv) {
     test_imatrix();
     test_thread_sizing(&m);
     test_valid_load(&m, quick);
+    test_scratch_out_of_memory(&m);
     const double t_products = now_s() - t;
     t = now_s();
     test_callback(&m);

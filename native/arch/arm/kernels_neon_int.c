@@ -335,7 +335,7 @@ TGT static void dot_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch 
     const size_t cb = int16_col_bytes(job);
     uint8_t * mem = bs_scratch_get(scratch, 2 * sizeof(unit_buf) + (size_t)nc * sizeof(f8) + 64);
     if (mem == NULL) {
-        return; /* the caller checked capacity before; cannot happen */
+        return; /* out of memory: bs_run_job reports it (scratch->failed) */
     }
     unit_buf * hb = (unit_buf *)mem, * hr = hb + 1;
     f8 * tot = (f8 *)(hr + 1);

@@ -242,7 +242,7 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
     const size_t wbytes = nc > 1 ? (size_t)RB * WS * sizeof(float) : 0;
     uint8_t * mem = bs_scratch_get(scratch, wbytes + (size_t)RB * (size_t)(nc > 0 ? nc : 1) * sizeof(__m256) + 64);
     if (mem == NULL) {
-        return; /* the caller checked capacity before; cannot happen */
+        return; /* out of memory: bs_run_job reports it (scratch->failed) */
     }
     float * w = (float *)mem;
     __m256 * acc = (__m256 *)(mem + wbytes);

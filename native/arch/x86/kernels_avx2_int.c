@@ -414,7 +414,7 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
     const size_t cb = int16_col_bytes(job);
     uint8_t * mem = bs_scratch_get(scratch, 2 * sizeof(unit_buf) + (size_t)nc * sizeof(__m256) + 64);
     if (mem == NULL) {
-        return; /* the caller checked capacity before; cannot happen */
+        return; /* out of memory: bs_run_job reports it (scratch->failed) */
     }
     unit_buf * hb = (unit_buf *)mem, * hr = hb + 1;
     __m256 * tot = (__m256 *)(hr + 1);
