@@ -282,8 +282,12 @@ INL __m256 sums_end(int t, bool coarse, bool hi, int ng, const sums * a, const u
                                _mm256_fmadd_ps(_mm256_loadu_ps(h->O), _mm256_loadu_ps(xs16), v));
     }
     /* one group (units of 32): two halves, in lanes 0 and 1 */
-    const __m128 o = _mm_castpd_ps(_mm_load_sd((const double *)h->O));
-    const __m128 x = _mm_castpd_ps(_mm_load_sd((const double *)xs16));
+    /* two floats each, read through __m128i (which may alias them): a load through a double
+     * pointer breaks the aliasing rules, and with the column totals in registers the compiler moved
+     * it above decode_group's store of O, reading the previous unit's offsets (measured: greedy
+     * speculative output then differed from the verifier's on SmolLM2, whose rows are 576 wide) */
+    const __m128 o = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)h->O));
+    const __m128 x = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)xs16));
     return _mm256_add_ps(v, _mm256_castps128_ps256(_mm_mul_ps(o, x)));
 }
 
