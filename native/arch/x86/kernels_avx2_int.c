@@ -283,9 +283,9 @@ INL __m256 sums_end(int t, bool coarse, bool hi, int ng, const sums * a, const u
     }
     /* one group (units of 32): two halves, in lanes 0 and 1 */
     /* two floats each, read through __m128i (which may alias them): a load through a double
-     * pointer breaks the aliasing rules, and with the column totals in registers the compiler moved
-     * it above decode_group's store of O, reading the previous unit's offsets (measured: greedy
-     * speculative output then differed from the verifier's on SmolLM2, whose rows are 576 wide) */
+     * pointer breaks the aliasing rules, and a build that kept the column totals in registers
+     * (no __m256 store in between) moved it above decode_group's store of O, reading the previous
+     * unit's offsets (greedy speculative output then differed from the verifier's on SmolLM2) */
     const __m128 o = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)h->O));
     const __m128 x = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)xs16));
     return _mm256_add_ps(v, _mm256_castps128_ps256(_mm_mul_ps(o, x)));
@@ -406,96 +406,66 @@ INL __m256 buffered_unit(int bt, int rt, int ng, const unit_buf * b, const unit_
     return v;
 }
 
-/* One row's units applied to its nc columns, summed into tot[0 .. nc-1] (zeroed by the caller).
- * Every (row, column) sees the same operations in the same order: per unit, each half's sums (base
- * first), their offsets, times the block scale s, into the column's total. Inlined with nc = 1 and
- * 2 as constants and tot a local array, so that a decoding pass's totals stay in registers (through
- * memory, each unit's total waited on a store and a reload, and every store of a __m256, which may
- * alias anything, made the compiler reload the unit's scales after it). */
-INL void row_units(const bs_job * job, int bt, int rt, bool coarse, int64_t r, int64_t r1, int64_t nc, unit_buf * hb,
-                   unit_buf * hr, __m256 * tot) {
-    const int64_t K = job->K;
-    const int qa = unit_of(bt, rt);
-    const int ng = qa / 32;
-    const size_t cb = int16_col_bytes(job);
-    const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
-    const uint8_t * brow = bt != T_NONE ? job->w2 + (size_t)r * job->w2_row_bytes : NULL;
-    const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)r * job->r_row_bytes : NULL;
-    const uint8_t * bend = bt != T_NONE ? job->w2 + (size_t)r1 * job->w2_row_bytes : NULL;
-    const uint8_t * rend = rt != T_NONE ? job->r + (size_t)r1 * job->r_row_bytes : NULL;
-    for (int64_t k0 = 0; k0 < K; k0 += qa) {
-        const int64_t t = k0 / qa;
-        const uint8_t * bp = bt != T_NONE ? brow + (size_t)t * bub : NULL;
-        const uint8_t * rp = rt != T_NONE ? rrow + (size_t)t * rub : NULL;
-        if (bt != T_NONE) prefetch_ahead(bp, bub, bend);
-        if (rt != T_NONE) prefetch_ahead(rp, rub, rend);
-        __m256i Sb = _mm256_setzero_si256(), Sr = _mm256_setzero_si256();
-        if (bt != T_NONE) decode_scales(bt, bp, hb, &Sb);
-        if (rt != T_NONE) decode_scales(rt, rp, hr, &Sr);
-        if (nc <= FUSED_COLS) { /* straight from registers, two columns at a time */
-            int64_t c = 0;
-            for (; c + 2 <= nc; c += 2) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 2, tot, coarse);
-            if (c < nc) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 1, tot, coarse);
-            continue;
-        }
-        _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-            if (bt != T_NONE) decode_group(bt, bp, Sb, g, hb, &hb->u[g], &hb->q[g], &hb->G[g], &hb->D[g]);
-            if (rt != T_NONE) decode_group(rt, rp, Sr, g, hr, &hr->u[g], &hr->q[g], &hr->G[g], &hr->D[g]);
-        }
-        for (int64_t c = 0; c < nc; c++) {
-            const colp a = col_at(job, cb, c, k0, qa);
-            /* read the decoded unit from L1 in every column: kept in registers across the
-             * column loop it would spill */
-            const unit_buf * b = hb, * e = hr;
-            __asm__("" : "+r"(b), "+r"(e));
-            const __m256 v = r_alone_hi(bt, rt, coarse, &a) ? buffered_unit(bt, rt, ng, b, e, &a, coarse, true)
-                                                            : buffered_unit(bt, rt, ng, b, e, &a, coarse, false);
-            tot[c] = _mm256_fmadd_ps(_mm256_set1_ps(a.s), v, tot[c]);
-        }
-    }
-}
-
-INL void store_row(const bs_job * job, int64_t r, int64_t nc, const __m256 * tot) {
-    for (int64_t c = 0; c < nc; c++) {
-        float * y = job->y + c * job->ldy + r;
-        const float v = hsum8(tot[c]);
-        *y = job->accumulate ? *y + v : v;
-    }
-}
-
+/* Every (row, column) sees the same operations in the same order: per unit, each half's sums
+ * (base first), their offsets, times the block scale s, into the column's total. */
 INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, int64_t r1, bs_scratch * scratch) {
-    const int64_t nc = job->n_cols;
+    const int64_t K = job->K, nc = job->n_cols;
     if (nc < 1) {
         return;
     }
+    const int qa = unit_of(bt, rt);
+    const int ng = qa / 32;
+    const size_t cb = int16_col_bytes(job);
     uint8_t * mem = bs_scratch_get(scratch, 2 * sizeof(unit_buf) + (size_t)nc * sizeof(__m256) + 64);
     if (mem == NULL) {
         return; /* out of memory: bs_run_job reports it (scratch->failed) */
     }
     unit_buf * hb = (unit_buf *)mem, * hr = hb + 1;
     __m256 * tot = (__m256 *)(hr + 1);
-    /* the fused path's column counts (FUSED_COLS): totals in registers, no store per unit */
-#define ROWS_SMALL(NC)                                                                                  \
-    if (nc == NC) {                                                                                     \
-        for (int64_t r = r0; r < r1; r++) {                                                             \
-            __m256 tl[NC];                                                                              \
-            for (int c = 0; c < NC; c++) tl[c] = _mm256_setzero_ps();                                   \
-            row_units(job, bt, rt, coarse, r, r1, NC, hb, hr, tl);                                      \
-            store_row(job, r, NC, tl);                                                                  \
-        }                                                                                               \
-        return;                                                                                         \
-    }
-    ROWS_SMALL(1)
-    ROWS_SMALL(2)
-    ROWS_SMALL(3)
-    ROWS_SMALL(4)
-    ROWS_SMALL(5)
-    ROWS_SMALL(6)
-#undef ROWS_SMALL
+    const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
     for (int64_t r = r0; r < r1; r++) {
-        for (int64_t c = 0; c < nc; c++) tot[c] = _mm256_setzero_ps();
-        row_units(job, bt, rt, coarse, r, r1, nc, hb, hr, tot);
-        store_row(job, r, nc, tot);
+        const uint8_t * brow = bt != T_NONE ? job->w2 + (size_t)r * job->w2_row_bytes : NULL;
+        const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)r * job->r_row_bytes : NULL;
+        const uint8_t * bend = bt != T_NONE ? job->w2 + (size_t)r1 * job->w2_row_bytes : NULL;
+        const uint8_t * rend = rt != T_NONE ? job->r + (size_t)r1 * job->r_row_bytes : NULL;
+        for (int64_t c = 0; c < nc; c++) {
+            tot[c] = _mm256_setzero_ps();
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += qa) {
+            const int64_t t = k0 / qa;
+            const uint8_t * bp = bt != T_NONE ? brow + (size_t)t * bub : NULL;
+            const uint8_t * rp = rt != T_NONE ? rrow + (size_t)t * rub : NULL;
+            if (bt != T_NONE) prefetch_ahead(bp, bub, bend);
+            if (rt != T_NONE) prefetch_ahead(rp, rub, rend);
+            __m256i Sb = _mm256_setzero_si256(), Sr = _mm256_setzero_si256();
+            if (bt != T_NONE) decode_scales(bt, bp, hb, &Sb);
+            if (rt != T_NONE) decode_scales(rt, rp, hr, &Sr);
+            if (nc <= FUSED_COLS) { /* straight from registers, two columns at a time */
+                int64_t c = 0;
+                for (; c + 2 <= nc; c += 2) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 2, tot, coarse);
+                if (c < nc) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 1, tot, coarse);
+                continue;
+            }
+            _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+                if (bt != T_NONE) decode_group(bt, bp, Sb, g, hb, &hb->u[g], &hb->q[g], &hb->G[g], &hb->D[g]);
+                if (rt != T_NONE) decode_group(rt, rp, Sr, g, hr, &hr->u[g], &hr->q[g], &hr->G[g], &hr->D[g]);
+            }
+            for (int64_t c = 0; c < nc; c++) {
+                const colp a = col_at(job, cb, c, k0, qa);
+                /* read the decoded unit from L1 in every column: kept in registers across the
+                 * column loop it would spill */
+                const unit_buf * b = hb, * e = hr;
+                __asm__("" : "+r"(b), "+r"(e));
+                const __m256 v = r_alone_hi(bt, rt, coarse, &a) ? buffered_unit(bt, rt, ng, b, e, &a, coarse, true)
+                                                                : buffered_unit(bt, rt, ng, b, e, &a, coarse, false);
+                tot[c] = _mm256_fmadd_ps(_mm256_set1_ps(a.s), v, tot[c]);
+            }
+        }
+        for (int64_t c = 0; c < nc; c++) {
+            float * y = job->y + c * job->ldy + r;
+            const float v = hsum8(tot[c]);
+            *y = job->accumulate ? *y + v : v;
+        }
     }
 }
 
