@@ -26,9 +26,11 @@
  * in the per-half scaling and the offsets (sums of 16 X, per unit), always in the same order, so a
  * column's result never depends on the rest of the batch.
  *
- * Memory: one row at a time; each unit of weights (QA values) is decoded once, then applied to
- * every column (from registers for one column, else from an L1 buffer). Each weight block is read
- * once per product.
+ * Memory: one row at a time. Up to FUSED_COLS columns, each pair of columns runs over the whole
+ * row, decoding each unit in registers and applying it to both (the row's blocks are in L1/L2
+ * after the first pair, which prefetches them), the pair's totals in registers; above that, each
+ * unit is decoded once into an L1 buffer and applied to every column. Each weight block is read
+ * from memory once per product.
  */
 #if defined(__x86_64__)
 
@@ -50,7 +52,7 @@
 #include "avx2_quants.h"
 
 #define PF_AHEAD 1024  /* bytes of each row read ahead of the unit being computed */
-#define FUSED_COLS 6   /* up to here each pair of columns decodes the weights again, in registers */
+#define FUSED_COLS 6   /* up to here each pair of columns decodes the row again, in registers */
 
 /* the same jobs avx2-f32 takes (the types a split holds, rows a multiple of their block) */
 static bool int16_supports(const bs_job * job) { return bs_f32_family_supports(job); }
@@ -336,7 +338,7 @@ INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m
  * group decoded in registers and applied to every column at once; h0 / h1: whether the residual
  * takes columns c0 / c0 + 1's high digit alone (constants: fused_unit chooses the body). */
 INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr,
-                         unit_buf * hb, unit_buf * hr, const colp * a, int64_t c0, int ncb, __m256 * tot, bool coarse,
+                         unit_buf * hb, unit_buf * hr, const colp * a, int ncb, __m256 * tot, bool coarse,
                          bool h0, bool h1) {
     sums ab[2], ar[2];
     for (int j = 0; j < ncb; j++) {
@@ -358,7 +360,7 @@ INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8
         __m256 v = _mm256_setzero_ps();
         if (bt != T_NONE) v = sums_end(bt, coarse, false, ng, &ab[j], hb, a[j].xs16);
         if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, j == 0 ? h0 : h1, ng, &ar[j], hr, &a[j]));
-        tot[c0 + j] = _mm256_fmadd_ps(_mm256_set1_ps(a[j].s), v, tot[c0 + j]);
+        tot[j] = _mm256_fmadd_ps(_mm256_set1_ps(a[j].s), v, tot[j]);
     }
 }
 
@@ -380,13 +382,42 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
     for (int j = 0; j < ncb; j++) a[j] = col_at(job, cb, c0 + j, k0, qa);
     const bool h0 = r_alone_hi(bt, rt, coarse, &a[0]), h1 = ncb == 2 && r_alone_hi(bt, rt, coarse, &a[1]);
     if (h0 && h1) {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, true, true);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true);
     } else if (h0) {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, true, false);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, false);
     } else if (h1) {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, false, true);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, true);
     } else {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, c0, ncb, tot, coarse, false, false);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false);
+    }
+}
+
+/* columns c .. c + ncb - 1 (ncb = 1 or 2, a constant where inlined) of row r, unit after unit over
+ * the whole row: the pair's totals are locals, in registers across the units */
+INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, int64_t c, int ncb, unit_buf * hb,
+                   unit_buf * hr, const uint8_t * brow, const uint8_t * rrow, const uint8_t * bend,
+                   const uint8_t * rend) {
+    const int64_t K = job->K;
+    const int qa = unit_of(bt, rt);
+    const int ng = qa / 32;
+    const size_t cb = int16_col_bytes(job);
+    const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
+    __m256 pt[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k0 = 0; k0 < K; k0 += qa) {
+        const int64_t t = k0 / qa;
+        const uint8_t * bp = bt != T_NONE ? brow + (size_t)t * bub : NULL;
+        const uint8_t * rp = rt != T_NONE ? rrow + (size_t)t * rub : NULL;
+        if (c == 0 && bt != T_NONE) prefetch_ahead(bp, bub, bend);
+        if (c == 0 && rt != T_NONE) prefetch_ahead(rp, rub, rend);
+        __m256i Sb = _mm256_setzero_si256(), Sr = _mm256_setzero_si256();
+        if (bt != T_NONE) decode_scales(bt, bp, hb, &Sb);
+        if (rt != T_NONE) decode_scales(rt, rp, hr, &Sr);
+        fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, ncb, pt, coarse);
+    }
+    for (int j = 0; j < ncb; j++) {
+        float * y = job->y + (c + j) * job->ldy + r;
+        const float v = hsum8(pt[j]);
+        *y = job->accumulate ? *y + v : v;
     }
 }
 
@@ -428,6 +459,20 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
         const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)r * job->r_row_bytes : NULL;
         const uint8_t * bend = bt != T_NONE ? job->w2 + (size_t)r1 * job->w2_row_bytes : NULL;
         const uint8_t * rend = rt != T_NONE ? job->r + (size_t)r1 * job->r_row_bytes : NULL;
+        if (nc <= FUSED_COLS) {
+            /* straight from registers, two columns at a time, each pair over the whole row (the
+             * row's blocks are in L1/L2 after the first pair): the pair's totals are locals, kept
+             * in registers across the units, instead of an array in memory stored and read back
+             * every unit */
+            for (int64_t c = 0; c < nc; c += 2) {
+                if (nc - c >= 2) {
+                    fused_row(job, bt, rt, coarse, r, c, 2, hb, hr, brow, rrow, bend, rend);
+                } else {
+                    fused_row(job, bt, rt, coarse, r, c, 1, hb, hr, brow, rrow, bend, rend);
+                }
+            }
+            continue;
+        }
         for (int64_t c = 0; c < nc; c++) {
             tot[c] = _mm256_setzero_ps();
         }
@@ -440,12 +485,6 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
             __m256i Sb = _mm256_setzero_si256(), Sr = _mm256_setzero_si256();
             if (bt != T_NONE) decode_scales(bt, bp, hb, &Sb);
             if (rt != T_NONE) decode_scales(rt, rp, hr, &Sr);
-            if (nc <= FUSED_COLS) { /* straight from registers, two columns at a time */
-                int64_t c = 0;
-                for (; c + 2 <= nc; c += 2) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 2, tot, coarse);
-                if (c < nc) fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, 1, tot, coarse);
-                continue;
-            }
             _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
                 if (bt != T_NONE) decode_group(bt, bp, Sb, g, hb, &hb->u[g], &hb->q[g], &hb->G[g], &hb->D[g]);
                 if (rt != T_NONE) decode_group(rt, rp, Sr, g, hr, &hr->u[g], &hr->q[g], &hr->G[g], &hr->D[g]);
