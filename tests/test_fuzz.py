@@ -446,7 +446,8 @@ def test_residual_refuses_what_only_the_native_loader_checks(tiny_split, split_b
 
 def test_native_sanitizers():
     """native/tests/run_sanitizers.sh: the native library built with ASan/UBSan/LSan runs its own test
-    driver (every kernel family, corrupt and randomly damaged files); zero reports (1-2 minutes)."""
+    driver (every kernel family, corrupt and randomly damaged files); zero reports (about 12 minutes on
+    2 cores, most of it compiling the library with ASan)."""
     assert shutil.which(os.environ.get("CC", "gcc")) is not None, "the sanitizer build needs gcc (or $CC)"
     script = ROOT / "native" / "tests" / "run_sanitizers.sh"
     proc = subprocess.run(["bash", str(script)], cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},

@@ -27,10 +27,10 @@
  * column's result never depends on the rest of the batch.
  *
  * Memory: one row at a time. Up to FUSED_COLS columns, each pair of columns runs over the whole
- * row, decoding each unit in registers and applying it to both (the row's blocks are in L1/L2
- * after the first pair, which prefetches them), the pair's totals in registers; above that, each
- * unit is decoded once into an L1 buffer and applied to every column. Each weight block is read
- * from memory once per product.
+ * row, decoding each unit in registers and applying it to both, the pair's totals in registers
+ * (the row's blocks are in L1/L2 after the first pair, which prefetches them and keeps each
+ * unit's decoded scales for the others); above that, each unit is decoded once into an L1 buffer
+ * and applied to every column. Each weight block is read from memory once per product.
  */
 #if defined(__x86_64__)
 
@@ -138,10 +138,15 @@ TGT static void int16_prepare_acts(const bs_job * job, int64_t c0, int64_t c1) {
  * half of 16 values, applied per unit with the sums of X over 16 values.
  * ------------------------------------------------------------------------------------------- */
 typedef struct {
-    __m256i u[8], q[8], G[8];
-    __m256 D[8];
+    __m256i S;   /* superblock types: the 16 integer scales (int16) */
     float O[16];
     float d;
+} unit_sc;
+
+typedef struct {
+    __m256i u[8], q[8], G[8];
+    __m256 D[8];
+    unit_sc sc;
 } unit_buf;
 
 /* int16 lanes [sc[2g] x8 | sc[2g+1] x8] from the 16 scales S: vpmaddwd's layout of the pair sums
@@ -154,12 +159,16 @@ INL __m256i group_scales(__m256i S, int g) {
     return _mm256_shuffle_epi8(B, idx);
 }
 
-/* the unit's scales (superblock types) or nothing (block-32 types read theirs per group) */
-INL void decode_scales(int t, const uint8_t * p, unit_buf * h, __m256i * S) {
-    if (superblock(t)) iscales(t, p, S, &h->d, h->O);
+/* the unit's scales (superblock types) */
+INL void decode_scales(int t, const uint8_t * p, unit_sc * h) {
+    if (superblock(t)) {
+        iscales(t, p, &h->S, &h->d, h->O);
+    } else {
+        h->S = _mm256_setzero_si256(); /* unused: block-32 types read their scales per group */
+    }
 }
 
-INL void decode_group(int t, const uint8_t * p, __m256i S, int g, unit_buf * h, __m256i * u, __m256i * q,
+INL void decode_group(int t, const uint8_t * p, __m256i S, int g, unit_sc * h, __m256i * u, __m256i * q,
                       __m256i * G, __m256 * D) {
     if (superblock(t)) {
         *u = gcodes_u(t, p, g);
@@ -266,7 +275,7 @@ INL void apply_r(int t, bool coarse, bool hi, int g, __m256i u, __m256i q, __m25
 
 /* the half's value over the unit for one column (before the block scale s); hi: the sums are of
  * the high digit alone (the residual's, in a verify pass), xs16 then its sums xh16 */
-INL __m256 sums_end(int t, bool coarse, bool hi, int ng, const sums * a, const unit_buf * h, const float * xs16) {
+INL __m256 sums_end(int t, bool coarse, bool hi, int ng, const sums * a, const unit_sc * h, const float * xs16) {
     __m256 v;
     if (superblock(t)) {
         const __m256 T = coarse ? _mm256_cvtepi32_ps(a->il)
@@ -294,7 +303,7 @@ INL __m256 sums_end(int t, bool coarse, bool hi, int ng, const sums * a, const u
 }
 
 /* the residual's value over the unit for one column (as apply_r took its digits) */
-INL __m256 sums_r(int t, bool coarse, bool hi, int ng, const sums * s, const unit_buf * h, const colp * a) {
+INL __m256 sums_r(int t, bool coarse, bool hi, int ng, const sums * s, const unit_sc * h, const colp * a) {
     if (coarse || !hi) {
         return sums_end(t, coarse, false, ng, s, h, a->xs16);
     }
@@ -318,8 +327,8 @@ INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
 }
 
 /* group g of one unit applied to ncb columns (base half first) */
-INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr, unit_buf * hb,
-                     unit_buf * hr, int g, const colp * a, int ncb, sums * ab, sums * ar, bool coarse, bool h0,
+INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb,
+                     unit_sc * hr, int g, const colp * a, int ncb, sums * ab, sums * ar, bool coarse, bool h0,
                      bool h1) {
     __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
     __m256 D = _mm256_setzero_ps();
@@ -338,7 +347,7 @@ INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m
  * group decoded in registers and applied to every column at once; h0 / h1: whether the residual
  * takes columns c0 / c0 + 1's high digit alone (constants: fused_unit chooses the body). */
 INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr,
-                         unit_buf * hb, unit_buf * hr, const colp * a, int ncb, __m256 * tot, bool coarse,
+                         unit_sc * hb, unit_sc * hr, const colp * a, int ncb, __m256 * tot, bool coarse,
                          bool h0, bool h1) {
     sums ab[2], ar[2];
     for (int j = 0; j < ncb; j++) {
@@ -376,7 +385,7 @@ INL bool r_alone_hi(int bt, int rt, bool coarse, const colp * a) {
 /* the body for these columns' digit choices, each a constant in it (a branch per group and column
  * made the 2-column pass 1.19x slower, measured) */
 INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
-                    const uint8_t * rp, __m256i Sb, __m256i Sr, unit_buf * hb, unit_buf * hr, int64_t k0, int64_t c0,
+                    const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb, unit_sc * hr, int64_t k0, int64_t c0,
                     int ncb, __m256 * tot, bool coarse) {
     colp a[2];
     for (int j = 0; j < ncb; j++) a[j] = col_at(job, cb, c0 + j, k0, qa);
@@ -393,9 +402,11 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
 }
 
 /* columns c .. c + ncb - 1 (ncb = 1 or 2, a constant where inlined) of row r, unit after unit over
- * the whole row: the pair's totals are locals, in registers across the units */
-INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, int64_t c, int ncb, unit_buf * hb,
-                   unit_buf * hr, const uint8_t * brow, const uint8_t * rrow, const uint8_t * bend,
+ * the whole row: the pair's totals are locals, in registers across the units. The first pair
+ * (c = 0) prefetches the row and decodes each unit's scales into scb / scr (one per unit of the
+ * row), which the other pairs read back */
+INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, int64_t c, int ncb, unit_sc * scb,
+                   unit_sc * scr, const uint8_t * brow, const uint8_t * rrow, const uint8_t * bend,
                    const uint8_t * rend) {
     const int64_t K = job->K;
     const int qa = unit_of(bt, rt);
@@ -403,15 +414,22 @@ INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, i
     const size_t cb = int16_col_bytes(job);
     const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
     __m256 pt[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    bool first = c == 0;
     for (int64_t k0 = 0; k0 < K; k0 += qa) {
         const int64_t t = k0 / qa;
         const uint8_t * bp = bt != T_NONE ? brow + (size_t)t * bub : NULL;
         const uint8_t * rp = rt != T_NONE ? rrow + (size_t)t * rub : NULL;
-        if (c == 0 && bt != T_NONE) prefetch_ahead(bp, bub, bend);
-        if (c == 0 && rt != T_NONE) prefetch_ahead(rp, rub, rend);
-        __m256i Sb = _mm256_setzero_si256(), Sr = _mm256_setzero_si256();
-        if (bt != T_NONE) decode_scales(bt, bp, hb, &Sb);
-        if (rt != T_NONE) decode_scales(rt, rp, hr, &Sr);
+        unit_sc * hb = scb + t, * hr = scr + t;
+        /* opaque: unswitched on it, the loop (and its inlined bodies) would be compiled twice */
+        __asm__("" : "+r"(first));
+        if (first) {
+            if (bt != T_NONE) prefetch_ahead(bp, bub, bend);
+            if (rt != T_NONE) prefetch_ahead(rp, rub, rend);
+            if (bt != T_NONE) decode_scales(bt, bp, hb);
+            if (rt != T_NONE) decode_scales(rt, rp, hr);
+        }
+        const __m256i Sb = bt != T_NONE ? hb->S : _mm256_setzero_si256();
+        const __m256i Sr = rt != T_NONE ? hr->S : _mm256_setzero_si256();
         fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, ncb, pt, coarse);
     }
     for (int j = 0; j < ncb; j++) {
@@ -432,8 +450,8 @@ INL __m256 buffered_unit(int bt, int rt, int ng, const unit_buf * b, const unit_
         if (rt != T_NONE) apply_r(rt, coarse, hi, g, e->u[g], e->q[g], e->G[g], e->D[g], a, &ar);
     }
     __m256 v = _mm256_setzero_ps();
-    if (bt != T_NONE) v = sums_end(bt, coarse, false, ng, &ab, b, a->xs16);
-    if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, hi, ng, &ar, e, a));
+    if (bt != T_NONE) v = sums_end(bt, coarse, false, ng, &ab, &b->sc, a->xs16);
+    if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, hi, ng, &ar, &e->sc, a));
     return v;
 }
 
@@ -447,12 +465,15 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
     const int qa = unit_of(bt, rt);
     const int ng = qa / 32;
     const size_t cb = int16_col_bytes(job);
-    uint8_t * mem = bs_scratch_get(scratch, 2 * sizeof(unit_buf) + (size_t)nc * sizeof(__m256) + 64);
+    const int64_t nu = K / qa; /* units per row */
+    uint8_t * mem = bs_scratch_get(scratch, 2 * sizeof(unit_buf) + (size_t)nc * sizeof(__m256) +
+                                                (size_t)(2 * nu) * sizeof(unit_sc) + 64);
     if (mem == NULL) {
         return; /* out of memory: bs_run_job reports it (scratch->failed) */
     }
     unit_buf * hb = (unit_buf *)mem, * hr = hb + 1;
     __m256 * tot = (__m256 *)(hr + 1);
+    unit_sc * scb = (unit_sc *)(tot + nc), * scr = scb + nu; /* the fused path's scales per unit */
     const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t * brow = bt != T_NONE ? job->w2 + (size_t)r * job->w2_row_bytes : NULL;
@@ -466,9 +487,9 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
              * every unit */
             for (int64_t c = 0; c < nc; c += 2) {
                 if (nc - c >= 2) {
-                    fused_row(job, bt, rt, coarse, r, c, 2, hb, hr, brow, rrow, bend, rend);
+                    fused_row(job, bt, rt, coarse, r, c, 2, scb, scr, brow, rrow, bend, rend);
                 } else {
-                    fused_row(job, bt, rt, coarse, r, c, 1, hb, hr, brow, rrow, bend, rend);
+                    fused_row(job, bt, rt, coarse, r, c, 1, scb, scr, brow, rrow, bend, rend);
                 }
             }
             continue;
@@ -482,12 +503,13 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
             const uint8_t * rp = rt != T_NONE ? rrow + (size_t)t * rub : NULL;
             if (bt != T_NONE) prefetch_ahead(bp, bub, bend);
             if (rt != T_NONE) prefetch_ahead(rp, rub, rend);
-            __m256i Sb = _mm256_setzero_si256(), Sr = _mm256_setzero_si256();
-            if (bt != T_NONE) decode_scales(bt, bp, hb, &Sb);
-            if (rt != T_NONE) decode_scales(rt, rp, hr, &Sr);
+            if (bt != T_NONE) decode_scales(bt, bp, &hb->sc);
+            if (rt != T_NONE) decode_scales(rt, rp, &hr->sc);
+            const __m256i Sb = bt != T_NONE ? hb->sc.S : _mm256_setzero_si256();
+            const __m256i Sr = rt != T_NONE ? hr->sc.S : _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-                if (bt != T_NONE) decode_group(bt, bp, Sb, g, hb, &hb->u[g], &hb->q[g], &hb->G[g], &hb->D[g]);
-                if (rt != T_NONE) decode_group(rt, rp, Sr, g, hr, &hr->u[g], &hr->q[g], &hr->G[g], &hr->D[g]);
+                if (bt != T_NONE) decode_group(bt, bp, Sb, g, &hb->sc, &hb->u[g], &hb->q[g], &hb->G[g], &hb->D[g]);
+                if (rt != T_NONE) decode_group(rt, rp, Sr, g, &hr->sc, &hr->u[g], &hr->q[g], &hr->G[g], &hr->D[g]);
             }
             for (int64_t c = 0; c < nc; c++) {
                 const colp a = col_at(job, cb, c, k0, qa);
