@@ -322,7 +322,10 @@ def test_killed_split_leaves_no_outputs_and_rerun_succeeds(tmp_path, sig, delay)
     src = write_llama_gguf(tmp_path / "mid.gguf", tiny_llama_weights(n_layer=8, n_embd=1024, n_ff=2048))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "bitsplit_llama.cli", "split", str(src), "-o", str(out), "-q", "-t", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as at a terminal: a shell starts a background job (as CI may run the suite) with SIGINT
+    # ignored, which the child would inherit, finishing the split (the test then checked nothing)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     t0 = time.monotonic()  # wait until the split is under way (its temporaries exist), then a while more
     while not list(out.glob(".*.tmp")) and proc.poll() is None and time.monotonic() - t0 < 60:
         time.sleep(0.02)
@@ -330,6 +333,8 @@ def test_killed_split_leaves_no_outputs_and_rerun_succeeds(tmp_path, sig, delay)
     proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
     if proc.returncode == 0:
+        # the split takes seconds after its temporaries appear: a signal sent then must stop it
+        assert delay > 0, f"{sig} sent while the split was under way did not stop it"
         pytest.skip(f"split finished before {sig} at {delay}s")  # nothing to check: it completed
     names = sorted(p.name for p in out.iterdir()) if out.exists() else []
     assert "base.gguf" not in names and "residual.gguf" not in names, names
