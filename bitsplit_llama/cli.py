@@ -398,7 +398,7 @@ def bench(
     threads: Optional[int] = THREADS,
     repeat: int = typer.Option(1, "--repeat"),
     tree_nodes: str = typer.Option("auto", "--tree-nodes"),
-    kernel: Optional[str] = typer.Option(None, "--kernel", help="Native kernel family for decode passes (default: by tree size)."),
+    kernel: Optional[str] = typer.Option(None, "--kernel", help="Native kernel family for decode passes (default: the fastest measured by the auto tree, else by tree size)."),
     drafter: str = typer.Option("auto", "--drafter",
                                 help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
     n_gpu_layers: Optional[int] = typer.Option(None, "--n-gpu-layers", "-ngl",

@@ -102,3 +102,47 @@ def test_fixed_trees_reach_the_end_of_the_context(tiny_split, n_ctx):
             assert g.sm.ctx.n_cells >= n_ctx + max_lanes(g.shape) + 1
             spec, plain = _to_the_end(g, n_ctx)
             assert spec.tokens == plain.tokens and spec.finish_reason == plain.finish_reason == "length"
+
+
+def test_profile_takes_the_fastest_family_per_pass_size():
+    prof = autotree.Profile({2: 99.0, 25: 99.0}, {1: 1.0}, [0.5], 99.0,
+                            {"a": {2: 10.0, 25: 50.0}, "b": {2: 20.0, 25: 30.0}})
+    assert prof.kernel(2) == "a" and prof.verify(2) == 10.0
+    assert prof.kernel(25) == "b" and prof.verify(25) == 30.0
+    assert prof.kernel(5) == "a" and prof.verify(5) == pytest.approx(10.0 + 40.0 * 3 / 23)
+    assert prof.kernel(13) == "b" and prof.verify(13) == pytest.approx(20.0 + 10.0 * 11 / 23)
+    assert autotree.Profile({2: 5.0}, {1: 1.0}, [0.5], 5.0).kernel(2) is None  # not measured per family
+
+
+def test_auto_tree_pins_the_family_measured_fastest(tiny_split, tmp_path, monkeypatch):
+    """The calibration times the verifier's passes with every kernel family this CPU runs, and the
+    generation pins the fastest at its pass size, whatever the built-in policy would have picked;
+    the output stays the verifier's. With BITSPLIT_KERNEL set nothing is timed per family."""
+    from bitsplit_llama.native import policy
+
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path))
+    fams = autotree.candidate_families()
+    assert fams == [f for f in policy.families() if f != "generic"] or len(policy.families()) <= 2
+    if len(fams) < 2:
+        pytest.skip(f"one kernel family on this CPU ({policy.families()})")
+    want = fams[-1]  # last in the policy's order: not its choice for small batches
+    assert want != policy.kernel_for_batch(2)
+    timed = []
+    real = Engine.time_pass
+
+    def fake(self, rows, *, verify, reps=3):
+        real(self, rows, verify=verify, reps=1)
+        if not verify:
+            return 1.0
+        timed.append(self.sm.residual.kernel)
+        return 2.0 + rows if self.sm.residual.kernel == want else 9.0 + rows
+
+    monkeypatch.setattr(Engine, "time_pass", fake)
+    with Generator(tiny_split, n_ctx=256, tree_nodes="auto") as g:
+        assert set(fams) <= set(timed)
+        assert g.kernel == want and g.auto_choice["kernel"] == want
+        assert g.sm.residual.kernel == want
+        spec = g.generate(PROMPT, max_tokens=24).tokens
+        assert spec == g.generate(PROMPT, max_tokens=24, speculative=False).tokens
+    monkeypatch.setenv("BITSPLIT_KERNEL", fams[0])
+    assert autotree.candidate_families() == []

@@ -2,8 +2,12 @@
 
 Two measurements, cached per model (base fingerprint), machine (CPU model, threads) and version:
 
-- costs: the wall time of a drafter pass for 1, 2, 4 tokens and of a verifier pass for 2..25 rows,
-  each run with the kernel family a generation of that size would use (interpolated in between);
+- costs: the wall time of a drafter pass for 1, 2, 4 tokens and of a verifier pass for 2..25 rows
+  with each kernel family this CPU runs (interpolated in between). A generation pins one family for
+  all its passes; the fastest for its pass size here is the one it pins. The built-in kernel policy's
+  thresholds were measured on a few CPUs and move from one to the next (on a Zen 4, ``avx2-int16``
+  takes 0.6-0.8x ``vnni-int24``'s time at 1-2 rows, which the policy prefers; on a Zen 5
+  ``avx512-bf16`` overtakes the 256-bit integers from 3-4 rows, on a Zen 4 from 14);
 - acceptance: over a short calibration run (greedy, built-in code and English prompts, a wide
   tree), how often the verifier's token is the drafter's best, second, third, fourth candidate.
 
@@ -25,14 +29,14 @@ import json
 import math
 import os
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape, n_seq_max_for
 from .tree import ROOT, TreeBuilder
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: verify passes timed per kernel family (family_ms)
 VERIFY_BATCHES = (2, 3, 4, 5, 7, 9, 13, 17, 25)
 DRAFT_BATCHES = (1, 2, 4)
 CALIBRATION_PROMPTS = (
@@ -54,9 +58,20 @@ class Profile:
     draft_ms: dict[int, float]
     rank_probs: list[float]  # P(verifier token = drafter's i-th candidate), i < CANDIDATES_PER_NODE
     plain_ms: float
+    # verify pass times per kernel family ({family: {rows: ms}}); empty: verify_ms, the policy's family
+    family_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def verify(self, rows: int) -> float:
+        if self.family_ms:
+            return min(_interp(t, rows) for t in self.family_ms.values())
         return _interp(self.verify_ms, rows)
+
+    def kernel(self, rows: int) -> str | None:
+        """The family whose verify pass of ``rows`` rows was fastest here (None: not measured per
+        family; the kernel policy decides)."""
+        if not self.family_ms:
+            return None
+        return min(self.family_ms, key=lambda f: _interp(self.family_ms[f], rows))
 
     def draft(self, batch: int) -> float:
         return _interp(self.draft_ms, batch)
@@ -199,20 +214,40 @@ def _measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Call
     engine.prefill(prefix, Stats())
     verify_ms = {}
     for rows in VERIFY_BATCHES:
-        with engine.decode_kernel(rows):  # each size with the kernel family a generation of that size uses
+        with engine.decode_kernel(rows):  # each size with the kernel family the policy gives it
             verify_ms[rows] = engine.time_pass(rows, verify=True)
-    with engine.decode_kernel(2):
-        plain_ms = engine.time_pass(2, verify=True)
+    family_ms = {}
+    for fam in candidate_families():
+        with engine.decode_kernel(2, fam):
+            family_ms[fam] = {rows: engine.time_pass(rows, verify=True) for rows in VERIFY_BATCHES}
+    prof_ms = Profile(verify_ms, {}, [], 0.0, family_ms)
+    plain_ms = prof_ms.verify(2)
     draft_ms = {b: engine.time_pass(b, verify=False) for b in DRAFT_BATCHES}
-    say("measured pass times: verify " + ", ".join(f"{k}:{v:.0f}" for k, v in verify_ms.items())
+    say("measured pass times: verify " + ", ".join(f"{k}:{prof_ms.verify(k):.0f}" for k in verify_ms)
         + " ms; draft " + ", ".join(f"{k}:{v:.0f}" for k, v in draft_ms.items()) + " ms")
+    if family_ms:
+        say("verify pass ms by kernel family at " + "/".join(str(k) for k in VERIFY_BATCHES) + " rows: "
+            + "; ".join(f"{f} " + "/".join(f"{t[k]:.0f}" for k in VERIFY_BATCHES) for f, t in family_ms.items()))
     # acceptance: a wide tree over the calibration prompts (each cut to leave room for its tokens)
     prompts = [tokenize(p)[:n_ctx - CALIBRATION_TOKENS - 1] for p in CALIBRATION_PROMPTS]
     counts = engine.rank_profile(prompts, CALIBRATION_TOKENS, CALIBRATION_SHAPE, is_stop)
     total = max(1, sum(counts))
     rank_probs = [c / total for c in counts[:CANDIDATES_PER_NODE]]
     say("acceptance by drafter rank: " + ", ".join(f"{100 * p:.0f}%" for p in rank_probs))
-    return Profile(verify_ms, draft_ms, rank_probs, plain_ms)
+    return Profile(verify_ms, draft_ms, rank_probs, plain_ms, family_ms)
+
+
+def candidate_families() -> list[str]:
+    """The kernel families the calibration times for the verifier's passes: every family this CPU
+    runs under ``BITSPLIT_MAX_ISA`` but the portable one (where another exists); none with
+    ``BITSPLIT_KERNEL`` set, which pins its family for every pass."""
+    if os.environ.get("BITSPLIT_KERNEL"):
+        return []
+    from ..native import policy
+
+    fams = policy.families()
+    fast = [f for f in fams if f != "generic"]
+    return fast if len(fast) > 1 else []
 
 
 def load_or_measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Callable[[int], bool] | None,
@@ -224,7 +259,8 @@ def load_or_measure(engine: Engine, tokenize: Callable[[str], list[int]], is_sto
         try:
             d = json.loads(path.read_text())
             return Profile({int(k): v for k, v in d["verify_ms"].items()}, {int(k): v for k, v in d["draft_ms"].items()},
-                           d["rank_probs"], d["plain_ms"])
+                           d["rank_probs"], d["plain_ms"],
+                           {f: {int(k): v for k, v in t.items()} for f, t in d.get("family_ms", {}).items()})
         except (OSError, ValueError, KeyError):
             pass
     if log:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -339,12 +340,17 @@ class Engine:
         return 1000 * float(np.median(ts))
 
     @contextlib.contextmanager
-    def decode_kernel(self, batch: int):
-        """Context manager: the verifier's products use the kernel family that a generation whose
-        passes have ``batch`` rows uses; the family before is restored after."""
+    def decode_kernel(self, batch: int, name: str | None = None):
+        """Context manager: the verifier's products use the kernel family ``name``, else the one the
+        kernel policy gives a generation whose passes have ``batch`` rows; the family before is
+        restored after. With ``BITSPLIT_KERNEL`` set (its family pinned for every pass) nothing
+        changes: restoring by name would unpin it for batches past the decode limit."""
         res = self.sm.residual
+        if os.environ.get("BITSPLIT_KERNEL"):
+            yield res.kernel
+            return
         saved = res.kernel
-        res.choose_decode_kernel(batch, residual_alone=self.sm.residual_alone)
+        res.choose_decode_kernel(batch, name, residual_alone=self.sm.residual_alone)
         try:
             yield res.kernel
         finally:

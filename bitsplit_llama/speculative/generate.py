@@ -98,9 +98,14 @@ class Generator:
                                     "expected_tokens_per_second": round(best_tps, 3),
                                     "expected_tokens_per_second_fixed16": round(fixed16[3], 3) if fixed16 else None,
                                     "rank_probs": prof.rank_probs, "from": "rank model"}
-        # plain steps carry two rows; tree passes 1 + nodes
-        self.kernel = self.sm.residual.choose_decode_kernel(max(2, self.shape.nodes + 1), kernel,
-                                                            residual_alone=self.sm.residual_alone)
+        # plain steps carry two rows; tree passes 1 + nodes. With the auto tree's cost curves, the
+        # family measured fastest at that size here (unless one was asked for, or BITSPLIT_KERNEL)
+        rows = max(2, self.shape.nodes + 1)
+        if auto and prof is not None and kernel is None and not os.environ.get("BITSPLIT_KERNEL"):
+            kernel = prof.kernel(rows)
+            if kernel is not None:
+                self.auto_choice["kernel"] = kernel
+        self.kernel = self.sm.residual.choose_decode_kernel(rows, kernel, residual_alone=self.sm.residual_alone)
         self.engine = Engine(self.sm, self.shape, draft_stop=draft_stop)
         self.model = self.sm.model
         self._lock = threading.Lock()
