@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape, n_seq_max_for
+from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape, kernel_pinned_by_env, n_seq_max_for
 from .tree import ROOT, TreeBuilder
 
 PROFILE_VERSION = 2  # 2: verify passes timed per kernel family (family_ms)
@@ -243,7 +243,7 @@ def candidate_families() -> list[str]:
     """The kernel families the calibration times for the verifier's passes: every family this CPU
     runs under ``BITSPLIT_MAX_ISA`` but the portable one (where another exists); none with
     ``BITSPLIT_KERNEL`` set, which pins its family for every pass."""
-    if os.environ.get("BITSPLIT_KERNEL"):
+    if kernel_pinned_by_env():
         return []
     from ..native import policy
 

@@ -44,6 +44,12 @@ MAX_TREE_NODES = 256  # nodes verified in one pass (the root's row comes on top)
 MAX_TREE_DEPTH = 32   # drafter rounds
 
 
+def kernel_pinned_by_env() -> str | None:
+    """The kernel family ``BITSPLIT_KERNEL`` pins for every pass of the verifier (the native library
+    reads it), or None. While it is set nothing here chooses, times or restores a family."""
+    return os.environ.get("BITSPLIT_KERNEL") or None
+
+
 @dataclass
 class TreeShape:
     """How the draft tree grows: ``nodes`` verified per cycle, ``width`` nodes added per drafter
@@ -346,7 +352,7 @@ class Engine:
         restored after. With ``BITSPLIT_KERNEL`` set (its family pinned for every pass) nothing
         changes: restoring by name would unpin it for batches past the decode limit."""
         res = self.sm.residual
-        if os.environ.get("BITSPLIT_KERNEL"):
+        if kernel_pinned_by_env():
             yield res.kernel
             return
         saved = res.kernel

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from .engine import Engine, Stats, TreeShape, n_seq_max_for, parse_draft_stop, reserve_for
+from .engine import Engine, Stats, TreeShape, kernel_pinned_by_env, n_seq_max_for, parse_draft_stop, reserve_for
 from ..errors import BusyError, InvalidOptionError
 from .sampling import SamplingParams
 from ..runtime.verifier import SplitModel
@@ -101,7 +101,7 @@ class Generator:
         # plain steps carry two rows; tree passes 1 + nodes. With the auto tree's cost curves, the
         # family measured fastest at that size here (unless one was asked for, or BITSPLIT_KERNEL)
         rows = max(2, self.shape.nodes + 1)
-        if auto and prof is not None and kernel is None and not os.environ.get("BITSPLIT_KERNEL"):
+        if auto and prof is not None and kernel is None and not kernel_pinned_by_env():
             kernel = prof.kernel(rows)
             if kernel is not None:
                 self.auto_choice["kernel"] = kernel
