@@ -8,6 +8,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -149,6 +150,9 @@ static void pool_run(bs_pool * pool, bs_task_fn fn, void * arg, int nth) {
  * running a product on nth threads
  * ------------------------------------------------------------------------------------------- */
 
+/* pause instructions a barrier's waiter spins before it yields between polls: some tens of microseconds */
+#define BS_BARRIER_SPINS 2000
+
 void bs_barrier(bitsplit_ctx * ctx, int nth) {
     if (nth <= 1) {
         return;
@@ -158,7 +162,17 @@ void bs_barrier(bitsplit_ctx * ctx, int nth) {
         atomic_store_explicit(&ctx->bar_count, 0, memory_order_relaxed);
         atomic_fetch_add_explicit(&ctx->bar_gen, 1, memory_order_acq_rel);
     } else {
+        /* spin a while (the wait is usually the other threads' last few rows of activations),
+         * then give the core away between polls: with more runnable threads than cores (a busy
+         * desktop, a test suite beside a benchmark) a waiter that only spins holds the core the
+         * last thread needs for the rest of its time slice (measured: 57% of samples in here) */
+        int spins = 0;
         while (atomic_load_explicit(&ctx->bar_gen, memory_order_acquire) == gen) {
+            if (spins >= BS_BARRIER_SPINS) {
+                sched_yield();
+                continue;
+            }
+            spins++;
 #if defined(__x86_64__)
             __builtin_ia32_pause();
 #elif defined(__aarch64__)
