@@ -50,8 +50,8 @@
 #define INL TGT static inline __attribute__((always_inline))
 
 #include "avx2_quants.h"
+#include "prefetch.h"
 
-#define PF_AHEAD 1024  /* bytes of each row read ahead of the unit being computed */
 #define FUSED_COLS 6   /* up to here each pair of columns decodes the row again, in registers */
 
 /* the same jobs avx2-f32 takes (the types a split holds, rows a multiple of their block) */
@@ -310,12 +310,6 @@ INL __m256 sums_r(int t, bool coarse, bool hi, int ng, const sums * s, const uni
     return sums_end(t, true, true, ng, s, h, a->xh16);
 }
 
-INL void prefetch_ahead(const uint8_t * p, size_t n, const uint8_t * end) {
-    for (size_t o = 0; o < n; o += 64) {
-        if (p + PF_AHEAD + o < end) _mm_prefetch((const char *)(p + PF_AHEAD + o), _MM_HINT_T0);
-    }
-}
-
 INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
     const int64_t K = job->K;
     const uint8_t * col = (const uint8_t *)job->acts + (size_t)c * cb;
@@ -423,8 +417,8 @@ INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, i
         /* opaque: unswitched on it, the loop (and its inlined bodies) would be compiled twice */
         __asm__("" : "+r"(first));
         if (first) {
-            if (bt != T_NONE) prefetch_ahead(bp, bub, bend);
-            if (rt != T_NONE) prefetch_ahead(rp, rub, rend);
+            if (bt != T_NONE) bs_prefetch_ahead(bp, bub, bend);
+            if (rt != T_NONE) bs_prefetch_ahead(rp, rub, rend);
             if (bt != T_NONE) decode_scales(bt, bp, hb);
             if (rt != T_NONE) decode_scales(rt, rp, hr);
         }
@@ -501,8 +495,8 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
             const int64_t t = k0 / qa;
             const uint8_t * bp = bt != T_NONE ? brow + (size_t)t * bub : NULL;
             const uint8_t * rp = rt != T_NONE ? rrow + (size_t)t * rub : NULL;
-            if (bt != T_NONE) prefetch_ahead(bp, bub, bend);
-            if (rt != T_NONE) prefetch_ahead(rp, rub, rend);
+            if (bt != T_NONE) bs_prefetch_ahead(bp, bub, bend);
+            if (rt != T_NONE) bs_prefetch_ahead(rp, rub, rend);
             if (bt != T_NONE) decode_scales(bt, bp, &hb->sc);
             if (rt != T_NONE) decode_scales(rt, rp, &hr->sc);
             const __m256i Sb = bt != T_NONE ? hb->sc.S : _mm256_setzero_si256();

@@ -25,6 +25,7 @@
 
 #include "bitsplit.h"
 #include "bs_internal.h"
+#include "prefetch.h"
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,bmi2")))
 #define QK 256
@@ -305,18 +306,6 @@ TGT static inline __m512 block_dot8(const wblock * w, const act_block * a) {
     return acc;
 }
 
-/* bytes of each row read ahead of the block being decoded: the hardware prefetchers alone leave
- * the first touch of each block (its scales) waiting on memory (measured on a Zen 4: three quarters
- * of dec_q6_K's samples on its first load, R alone at 24% of the bandwidth) */
-#define PF_AHEAD 1024
-
-TGT static inline void prefetch_block(const uint8_t * row, size_t bbytes, int64_t t, const uint8_t * end) {
-    const uint8_t * p = row + (size_t)t * bbytes + PF_AHEAD;
-    for (size_t o = 0; o < bbytes; o += 64) {
-        if (p + o < end) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
-    }
-}
-
 TGT static void int_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
     const int64_t nb = job->K / QK, nc = job->n_cols;
     const act_block * acts = job->acts;
@@ -336,8 +325,8 @@ TGT static void int_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch 
             tot[c] = _mm512_setzero_ps();
         }
         for (int64_t t = 0; t < nb; t++) {
-            if (brow) prefetch_block(brow, bbytes, t, bend);
-            if (rrow) prefetch_block(rrow, rbytes, t, rend);
+            if (brow) bs_prefetch_ahead(brow + (size_t)t * bbytes, bbytes, bend);
+            if (rrow) bs_prefetch_ahead(rrow + (size_t)t * rbytes, rbytes, rend);
             if (brow) decode(job->w2_type, brow, t, &wb);
             if (rrow) decode(job->r_type, rrow, t, &wr);
             for (int64_t c = 0; c < nc; c++) {
