@@ -122,6 +122,16 @@ int bitsplit_ctx_set_batch_invariant(bitsplit_ctx * ctx, bool on) {
 
 bool bitsplit_ctx_get_batch_invariant(const bitsplit_ctx * ctx) { return ctx != NULL && ctx->invariant; }
 
+int bitsplit_ctx_set_prompt(bitsplit_ctx * ctx, bool on) {
+    if (ctx == NULL) {
+        return BITSPLIT_E_INVALID;
+    }
+    ctx->prompt = on;
+    return BITSPLIT_OK;
+}
+
+bool bitsplit_ctx_get_prompt(const bitsplit_ctx * ctx) { return ctx != NULL && ctx->prompt; }
+
 int bitsplit_ctx_set_threads(bitsplit_ctx * ctx, int n_threads) {
     if (ctx == NULL || n_threads < 1 || n_threads > BS_MAX_THREADS) {
         return BITSPLIT_E_INVALID;

@@ -113,6 +113,15 @@ int  bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, bool on);
  * its batch (as far as the graph's other nodes allow). Off: those products stay with ggml. */
 int  bitsplit_ctx_set_batch_invariant(bitsplit_ctx * ctx, bool on);
 bool bitsplit_ctx_get_batch_invariant(const bitsplit_ctx * ctx);
+/* While on, the passes are a prompt's: their products take the kernel policy's family for a
+ * 64-row batch, whatever each pass's size, instead of the pinned family (BITSPLIT_KERNEL's pin
+ * still holds). A prompt's rows are computed once, never verified again in another pass, so their
+ * arithmetic need not be the generation's; one family for all of them keeps a prompt token's value
+ * independent of how the prompt was cut into batches (or where a cached prefix ended). The pinned
+ * family, chosen for decode passes of a few rows, can be several times slower on 64-row batches.
+ * Off by default. */
+int  bitsplit_ctx_set_prompt(bitsplit_ctx * ctx, bool on);
+bool bitsplit_ctx_get_prompt(const bitsplit_ctx * ctx);
 /* threads for work outside ggml's own thread pool (add mode, bitsplit_ctx_matmul) */
 int  bitsplit_ctx_set_threads(bitsplit_ctx * ctx, int n_threads);
 

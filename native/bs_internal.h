@@ -106,6 +106,7 @@ typedef struct bs_kernel_family {
 #define BS_MAX_FAMILIES 8
 #define BS_SMALL_BATCH 6         /* up to here the per-column kernels come first (each to its max_cols) */
 #define BS_DECODE_COLS 32        /* a pinned family serves passes up to this many columns */
+#define BS_PROMPT_COLS 64        /* a prompt's passes take the policy's family for this many columns */
 /* the cap in force: min(BITSPLIT_MAX_ISA, none); false (and *cap = generic) for a bad value */
 bool bs_isa_cap(int * cap);
 const char * bs_isa_name(int isa);
@@ -251,6 +252,10 @@ struct bitsplit_ctx {
      * the base's weights without residual (the output head, base-exact tensors) are computed here
      * too, so that a row's result never depends on the rest of its batch */
     bool invariant;
+    /* a prompt being decoded (bitsplit_ctx_set_prompt): its products take the kernel policy's
+     * family for BS_PROMPT_COLS columns, whatever the pass's size, not the pinned one (unless
+     * pin_all) */
+    bool prompt;
 
     /* shared by the threads of one product (nodes run one after another) */
     void * acts;

@@ -183,12 +183,19 @@ void bs_barrier(bitsplit_ctx * ctx, int nth) {
 }
 
 /* Which family computes a product: the fast drafter's (base alone) by the draft policy; a
- * decode pass by the family pinned for this generation; anything else by the kernel policy
- * (kernels.c), the one place that knows the thresholds. */
+ * prompt's passes (unless BITSPLIT_KERNEL pins for all) by the kernel policy's for a full prompt
+ * batch; a decode pass by the family pinned for this generation; anything else by the kernel
+ * policy (kernels.c), the one place that knows the thresholds. */
 const bs_kernel_family * bs_family_for(const bitsplit_ctx * ctx, const bs_job * job) {
     if (job->draft) { /* the fast drafter: ask_draft took it for this family */
         const bs_kernel_family * f = bs_draft_policy(job);
         return f != NULL ? f : bs_generic_family();
+    }
+    if (ctx->prompt && !ctx->pin_all) {
+        /* a prompt: one family for all its passes whatever their size (a prompt is cut into
+         * batches, and a cached prefix moves the cuts), so that a prompt token's value never depends
+         * on the cut: the policy's for a full prompt batch */
+        return bs_policy(BS_PROMPT_COLS, false, job);
     }
     if (ctx->pinned != NULL && (ctx->pin_all || ctx->invariant || job->n_cols <= BS_DECODE_COLS)) {
         if (ctx->pinned->supports(job)) {

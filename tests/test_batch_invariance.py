@@ -118,6 +118,33 @@ def test_greedy_speculative_equals_verifier_alone_at_any_tree_size(exact_split, 
         assert nodes + 1 in rows and max(rows) <= max(nodes + 1, max(map(len, PROMPTS))), sorted(set(rows))
 
 
+def test_prompts_run_in_prompt_mode_and_generation_on_the_pinned_family(exact_split):
+    """The engine decodes a prompt in prompt mode (the kernel policy's family for each batch: the
+    family pinned for a generation's passes of a few rows can be several times slower on 64-row
+    prompt batches), every pass after it outside; greedy speculative output stays plain
+    decoding's, and a cached prompt gives the same output."""
+    prompt = [1] + [3 + (i * 11) % 330 for i in range(99)]
+    with Generator(exact_split, n_ctx=256, tree_nodes=4, draft_stop="off") as g:
+        seen = []
+        decode = g.sm.ctx.decode
+
+        def spy(tokens, positions, seq_ids=None, logits=True):
+            seen.append((len(tokens), g.sm.residual.prompt_mode))
+            return decode(tokens, positions, seq_ids=seq_ids, logits=logits)
+
+        g.sm.ctx.decode = spy
+        plain = g.generate(prompt, max_tokens=24, speculative=False)
+        assert sum(n for n, on in seen if on) == len(prompt)  # the whole prompt, in prompt mode
+        assert any(not on for _, on in seen)  # the generation's passes outside it
+        seen.clear()
+        spec = g.generate(prompt, max_tokens=24, speculative=True)  # reuses all but the last token
+        assert [n for n, on in seen if on] == [1]
+        assert spec.tokens == plain.tokens
+        g.engine.reset()
+        assert g.generate(prompt, max_tokens=24, speculative=True).tokens == plain.tokens
+        assert not g.sm.residual.prompt_mode
+
+
 def test_parked_rows_freed_in_order_keep_greedy_identity(exact_split):
     """A context too small to keep every parked rejected row: the engine frees them by decoding the
     text after the first one again (cells stay in position order); output stays the verifier's."""

@@ -477,6 +477,38 @@ def test_unpinned_products_follow_the_policy_for_their_kind(tiny_split):
             assert res.family_of(name, batch, with_base=False) == policy.kernel_for_batch(batch, residual_alone=True)
 
 
+def test_prompt_mode_takes_the_policys_family_not_the_pinned_one(tiny_split):
+    """Inside Residual.prompt() (a prompt's passes: rows computed once, never verified again) a
+    product takes the kernel policy's family for a 64-row batch of its kind, whatever the pass's
+    size, not the family pinned for decode passes; outside, the pin serves every batch again
+    (batch-invariant mode). A pin by BITSPLIT_KERNEL holds inside too."""
+    with Residual(tiny_split) as res:
+        name = res.tensors()[0][0]
+        assert res.batch_invariant and not res.prompt_mode
+        forced = os.environ.get("BITSPLIT_KERNEL")
+        if forced:
+            with res.prompt():
+                assert res.prompt_mode
+                assert res.family_of(name, 64) == forced and res.family_of(name, 64, with_base=False) == forced
+            assert not res.prompt_mode
+            return
+        want = {alone: policy.kernel_for_batch(64, residual_alone=alone) for alone in (False, True)}
+        others = [f for f in HERE if f not in want.values()]
+        pin = others[0] if others else HERE[-1]  # a family the policy would not pick at 64, where there is one
+        res.set_kernel(pin)
+        assert res.family_of(name, 64) == pin and res.family_of(name, 3) == pin
+        with res.prompt():
+            assert res.prompt_mode
+            for alone in (False, True):
+                for n in (1, 3, 64, 100):
+                    assert res.family_of(name, n, with_base=not alone) == want[alone], (pin, alone, n)
+            with res.prompt():  # nested: the outer one's state comes back
+                pass
+            assert res.prompt_mode
+        assert not res.prompt_mode
+        assert res.family_of(name, 64) == pin and res.kernel == pin
+
+
 @pytest.mark.parametrize("bad", ["lots", "-1", "12kb"])
 def test_bad_thread_minimum_is_refused(tiny_split, bad):
     """BITSPLIT_THREAD_MIN_KB (how much work a pool thread is worth) that is not a whole number of

@@ -3,6 +3,7 @@ its base, ready to be installed as a llama.cpp eval callback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,26 @@ class Residual:
     @batch_invariant.setter
     def batch_invariant(self, on: bool) -> None:
         self._lib.bitsplit_ctx_set_batch_invariant(self.ptr, bool(on))
+
+    @property
+    def prompt_mode(self) -> bool:
+        """Whether the passes now are a prompt's (:meth:`prompt`)."""
+        return bool(self._lib.bitsplit_ctx_get_prompt(self.ptr))
+
+    @contextlib.contextmanager
+    def prompt(self):
+        """Context manager: the passes inside decode a prompt. Their products take the kernel
+        policy's family for a 64-row batch, whatever each pass's size (one family for every prompt
+        token, however the prompt is cut into batches), rather than the family pinned for decode
+        passes; ``BITSPLIT_KERNEL`` still pins. A prompt's rows are computed once and never verified
+        again, so speculative output stays the verifier's; the pinned family, chosen for passes of a
+        few rows, can be several times slower on a prompt's 64-row batches."""
+        before = self.prompt_mode
+        self._lib.bitsplit_ctx_set_prompt(self.ptr, True)
+        try:
+            yield
+        finally:
+            self._lib.bitsplit_ctx_set_prompt(self.ptr, before)
 
     def set_threads(self, n: int) -> None:
         if self._lib.bitsplit_ctx_set_threads(self.ptr, int(n)) != 0:

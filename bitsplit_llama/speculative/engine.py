@@ -322,7 +322,11 @@ class Engine:
             common = min(common, self._junk_min)  # from there on the cells are not in order once the junk goes
         self._truncate(common)
         self._flush_junk()  # nothing cached after the parked rows: they are freed and nothing else
-        logits = self._append(list(prompt[common:]), last_logits=True)
+        # the prompt's rows are computed once (never verified again, never rebuilt by _flush_junk,
+        # which starts past them): the kernel policy's family for a full batch, for every prompt
+        # token however the prompt is cut, not the one pinned for the generation's few-row passes
+        with self.sm.residual.prompt():
+            logits = self._append(list(prompt[common:]), last_logits=True)
         stats.n_prompt = len(prompt)
         stats.prompt_seconds += time.perf_counter() - t0
         return logits

@@ -669,6 +669,7 @@ static void test_api_edges(const model * m, const char * work) {
     CHECK(bitsplit_ctx_set_mode(NULL, 0) == BITSPLIT_E_INVALID, "set_mode(NULL)");
     CHECK(bitsplit_ctx_set_threads(NULL, 1) == BITSPLIT_E_INVALID, "set_threads(NULL)");
     CHECK(bitsplit_ctx_set_kernel(NULL, "generic") == BITSPLIT_E_INVALID, "set_kernel(NULL)");
+    CHECK(bitsplit_ctx_set_prompt(NULL, true) == BITSPLIT_E_INVALID && !bitsplit_ctx_get_prompt(NULL), "set_prompt(NULL)");
     CHECK(bitsplit_ctx_take_error(NULL, err, sizeof(err)) == BITSPLIT_E_INVALID, "take_error(NULL)");
     CHECK(strcmp(bitsplit_ctx_kernel(NULL), "") == 0, "kernel(NULL)");
     CHECK(!bitsplit_ctx_get_enabled(NULL), "get_enabled(NULL)");
@@ -850,6 +851,28 @@ static void test_products(bitsplit_ctx * ctx, const model * m, bool quick) {
             CHECK(bitsplit_ctx_matmul(ctx, m->t[ti].r->name, x, 1, y, true) == BITSPLIT_E_INVALID,
                   "matmul on 3-D %s must be refused", m->t[ti].r->name);
         }
+    }
+    /* prompt mode: the policy's family for a 64-column product, whatever the pass's size, not the
+     * pinned one (unless BITSPLIT_KERNEL pins for all); off again, the pin serves every batch */
+    for (int ti = 0; ti < m->nt && getenv("BITSPLIT_KERNEL") == NULL; ti++) {
+        if (m->t[ti].E != 1) {
+            continue;
+        }
+        const char * name = m->t[ti].r->name;
+        char want[64];
+        CHECK(bitsplit_ctx_set_batch_invariant(ctx, false) == BITSPLIT_OK && bitsplit_ctx_set_kernel(ctx, NULL) == BITSPLIT_OK,
+              "unpin");
+        snprintf(want, sizeof(want), "%s", bitsplit_ctx_family_of(ctx, name, 64, true));
+        CHECK(bitsplit_ctx_set_batch_invariant(ctx, true) == BITSPLIT_OK && bitsplit_ctx_set_kernel(ctx, "generic") == BITSPLIT_OK,
+              "pin generic");
+        CHECK(bitsplit_ctx_set_prompt(ctx, true) == BITSPLIT_OK && bitsplit_ctx_get_prompt(ctx), "prompt mode on");
+        for (int64_t n = 1; n <= 64; n *= 4) {
+            const char * got = bitsplit_ctx_family_of(ctx, name, n, true);
+            CHECK(strcmp(got, want) == 0, "prompt mode, %s on %ld columns: %s, expected the policy's %s", name, (long)n, got, want);
+        }
+        CHECK(bitsplit_ctx_set_prompt(ctx, false) == BITSPLIT_OK && !bitsplit_ctx_get_prompt(ctx), "prompt mode off");
+        CHECK(strcmp(bitsplit_ctx_family_of(ctx, name, 64, true), "generic") == 0, "the pin serves 64 columns again");
+        break;
     }
     CHECK(bitsplit_ctx_set_kernel(ctx, NULL) == BITSPLIT_OK && bitsplit_ctx_set_kernel(ctx, "") == BITSPLIT_OK,
           "set_kernel(NULL/\"\") restores the default");
