@@ -248,9 +248,10 @@ struct bitsplit_ctx {
      * (BITSPLIT_KERNEL) it serves every batch. NULL: the kernel policy decides per product. */
     const bs_kernel_family * pinned;
     bool pin_all;
-    /* batch-invariant verification (on by default): the pinned family serves every batch size, and
-     * the base's weights without residual (the output head, base-exact tensors) are computed here
-     * too, so that a row's result never depends on the rest of its batch */
+    /* batch-invariant verification (on by default): the pinned family serves every batch size (not
+     * in prompt mode), and the base's weights without residual (the output head, base-exact
+     * tensors) are computed here too, so that a row's result never depends on the rest of its
+     * batch */
     bool invariant;
     /* a prompt being decoded (bitsplit_ctx_set_prompt): its products take the kernel policy's
      * family for BS_PROMPT_COLS columns, whatever the pass's size, not the pinned one (unless

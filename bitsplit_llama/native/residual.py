@@ -140,8 +140,9 @@ class Residual:
     @property
     def batch_invariant(self) -> bool:
         """Batch-invariant verification (default on): the pinned kernel family serves every batch size
-        and the base's weights without residual (the output head, tensors kept exact) are computed by
-        the library's kernels too, so that a verified row does not depend on the rest of its batch."""
+        (outside :meth:`prompt`) and the base's weights without residual (the output head, tensors
+        kept exact) are computed by the library's kernels too, so that a verified row does not
+        depend on the rest of its batch."""
         return bool(self._lib.bitsplit_ctx_get_batch_invariant(self.ptr))
 
     @batch_invariant.setter
