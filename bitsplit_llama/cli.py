@@ -600,6 +600,8 @@ def doctor(
           f"{p['draft_kernel'] or 'ggml (no native drafting family)'}")
     print("policy       W2 + R: " + by_family(p["kernel_by_batch"]))
     print("             R alone (base on a device): " + by_family(p["kernel_by_batch_alone"]))
+    print("measured     R alone, fastest here: " + by_family(p["fastest_by_batch_alone"])
+          + " (--tree-nodes auto times the families on the model and pins its fastest)")
     print(f"memory       {p['memory_bandwidth_gb_s']:.1f} GB/s (threaded numpy reduction)")
     for d in p["devices"]:
         mem = f", {_fmt_bytes(d['memory_total_bytes'])}" if d["memory_total_bytes"] else ""

@@ -62,6 +62,10 @@ def check_profile(p: dict) -> None:
             assert positive(r[k]), (k, r)
         assert r["gb_per_s_per_core"] == pytest.approx(r["gb_per_s"] / p["threads"], rel=0.01, abs=0.002)
         assert r["bandwidth_use"] == pytest.approx(r["gb_per_s"] / p["memory_bandwidth_gb_s"], rel=0.02, abs=1e-3)
+    # the family measured fastest at each batch (the policy's pick may differ: it was tuned elsewhere)
+    assert p["fastest_by_batch_alone"] == {
+        str(b): max((r for r in p["residual"] if r["batch"] == b), key=lambda r: r["gb_per_s"])["family"]
+        for b in (1, 4, 16, 64)}
     for r in p["residual"]:  # the policy's family (for R . x alone) is flagged as such
         assert r["policy"] == (r["family"] == p["kernel_by_batch_alone"][str(r["batch"])])
     # the verifier's pass at the small batches a chain or a small tree verifies, and at 16
@@ -114,6 +118,7 @@ def test_doctor_human_output(capsys, cache):
     for fam in policy.families():
         assert fam in out
     assert "memory" in out and "GB/s" in out and "ggml Q6_K" in out and "ggml Q2_K base" in out
+    assert "fastest here: batch 1" in out
     # the native drafter's rows in the table too, where this CPU drafts with it (not only in the log)
     assert ("W2.x draft" in out) == bool(policy.draft_kernel() and policy.draft_min_cols() <= 16)
 

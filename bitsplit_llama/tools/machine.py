@@ -222,6 +222,7 @@ def machine_profile(*, refresh: bool = False, quick: bool = False, threads: Opti
         try:
             prof = json.loads(path.read_text())
             if prof.get("key") == key and prof.get("version") == PROFILE_VERSION:
+                prof.setdefault("fastest_by_batch_alone", fastest_by_batch(prof.get("residual", [])))  # older caches
                 prof.update(cached=True, path=str(path))
                 return prof
         except (OSError, ValueError):
@@ -752,6 +753,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "max_isa": policy.max_isa(),
         "kernel_by_batch": {str(b): policy.kernel_for_batch(b) for b in POLICY_BATCHES},
         "kernel_by_batch_alone": {str(b): policy.kernel_for_batch(b, residual_alone=True) for b in POLICY_BATCHES},
+        "fastest_by_batch_alone": fastest_by_batch(residual),
         "draft_kernel": policy.draft_kernel(),
         "memory_bandwidth_gb_s": round(bw / 1e9, 3),
         "synthetic": {"tensors": size.tensors, "ne0": size.ne0, "ne1": size.ne1, "residual_type": "q6_k",
@@ -764,6 +766,19 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "devices": devs,
         "seconds": round(time.perf_counter() - t_start, 2),
     }
+
+
+def fastest_by_batch(rows: list[dict]) -> dict[str, str]:
+    """Per measured batch, the family with the highest throughput among ``rows`` (one kind of product,
+    e.g. the profile's ``residual``): what this machine measured, where ``kernel_by_batch`` is the
+    built-in policy's pick (tuned on a few CPUs; ``--tree-nodes auto`` times the families on the
+    model itself and pins its own fastest)."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        b = int(r["batch"])
+        if b not in best or float(r["gb_per_s"]) > float(best[b]["gb_per_s"]):
+            best[b] = r
+    return {str(b): best[b]["family"] for b in sorted(best)}
 
 
 def rate_at(rows: list[dict], batch: int, key: str = "weights_per_s_per_core") -> tuple[float, str]:
