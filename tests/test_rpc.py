@@ -226,7 +226,8 @@ def test_refused_silent_and_bad_endpoints_are_one_clear_error(tiny_split):
 
 
 _CHILD = textwrap.dedent("""
-    import sys
+    import faulthandler, signal, sys
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung child's stacks (_wait_or_dump)
     from bitsplit_llama.speculative.generate import Generator
     from bitsplit_llama.runtime.rpc import RpcError
     g = Generator(sys.argv[1], n_ctx=512, tree_nodes=4, rpc=sys.argv[2], rpc_timeout=float(sys.argv[3]))
@@ -255,6 +256,19 @@ def _child(split, endpoint, timeout, how):
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _wait_or_dump(child: subprocess.Popen, timeout: float, what: str) -> None:
+    """Wait for the child; past ``timeout``, fail with its Python threads' stacks (faulthandler,
+    SIGUSR1) and the end of its stderr, so that a hang says where it was."""
+    try:
+        child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        child.kill()
+        _, err = child.communicate(timeout=30)
+        pytest.fail(f"the client did not end within {timeout:g} s of {what}; its stderr (with its stacks):\n{err[-6000:]}")
+
+
 @pytest.mark.parametrize("fault", ["dies", "stalls"])
 def test_server_lost_mid_generation_ends_with_one_message(tiny_split, fault):
     """llama.cpp's RPC client aborts on a lost connection; the process ends with one line naming the
@@ -268,7 +282,7 @@ def test_server_lost_mid_generation_ends_with_one_message(tiny_split, fault):
         time.sleep(0.5)  # generating now
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
-        child.wait(timeout=60)
+        _wait_or_dump(child, 60, f"the server's {'death' if fault == 'dies' else 'stall'}")
         waited = time.monotonic() - t0
         err = child.stderr.read()
         assert child.returncode == 1, err
