@@ -109,9 +109,9 @@ int  bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, bool on);
 /* Batch-invariant verification, on by default: the family pinned for decode passes serves every
  * batch size (a prompt's too, unless decoded in prompt mode: bitsplit_ctx_set_prompt), and the
  * base's weights that have no residual (the output head, tensors the split kept exact) are
- * computed by this library's kernels instead of ggml's, whose
- * arithmetic changes with the batch size. A verified row's logits then do not depend on the rest of
- * its batch (as far as the graph's other nodes allow). Off: those products stay with ggml. */
+ * computed by this library's kernels instead of ggml's, whose arithmetic changes with the batch
+ * size. A verified row's logits then do not depend on the rest of its batch (as far as the graph's
+ * other nodes allow). Off: those products stay with ggml. */
 int  bitsplit_ctx_set_batch_invariant(bitsplit_ctx * ctx, bool on);
 bool bitsplit_ctx_get_batch_invariant(const bitsplit_ctx * ctx);
 /* While on, the passes are a prompt's: their products take the kernel policy's family for a

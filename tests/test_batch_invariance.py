@@ -119,10 +119,10 @@ def test_greedy_speculative_equals_verifier_alone_at_any_tree_size(exact_split, 
 
 
 def test_prompts_run_in_prompt_mode_and_generation_on_the_pinned_family(exact_split):
-    """The engine decodes a prompt in prompt mode (the kernel policy's family for each batch: the
-    family pinned for a generation's passes of a few rows can be several times slower on 64-row
-    prompt batches), every pass after it outside; greedy speculative output stays plain
-    decoding's, and a cached prompt gives the same output."""
+    """The engine decodes a prompt in prompt mode (the kernel policy's family for a 64-row batch,
+    whatever each pass's size: the family pinned for a generation's passes of a few rows can be
+    several times slower on 64-row prompt batches), every pass after it outside; greedy
+    speculative output stays plain decoding's, and a cached prompt gives the same output."""
     prompt = [1] + [3 + (i * 11) % 330 for i in range(99)]
     with Generator(exact_split, n_ctx=256, tree_nodes=4, draft_stop="off") as g:
         seen = []
