@@ -29,11 +29,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
-    lengths = [int(t) for t in a.tokens.split(",") if t.strip()]
+    try:
+        lengths = [int(t) for t in a.tokens.split(",") if t.strip()]
+    except ValueError:
+        lengths = []
     if not lengths or min(lengths) < 1:
         ap.error(f"--tokens {a.tokens!r}: expected positive whole numbers, e.g. 8,32,512")
     if a.rounds < 1:
         ap.error(f"--rounds {a.rounds}: expected at least 1")
+    if not a.text.is_file():
+        ap.error(f"--text {a.text}: no such file (expected a text file to take the prompts from)")
     text = a.text.read_text(encoding="utf-8", errors="replace")
     with Generator(a.split, n_ctx=max(lengths) + 64, n_threads=a.threads, tree_nodes=4, kernel=a.kernel) as g:
         tokens = g.sm.model.tokenize(text)
