@@ -598,7 +598,9 @@ def doctor(
     print(f"ISA          {isa}")
     print(f"families     {', '.join(p['families'])} (cap BITSPLIT_MAX_ISA={p['max_isa']}); drafter: "
           f"{p['draft_kernel'] or 'ggml (no native drafting family)'}")
-    print("policy       W2 + R: " + by_family(p["kernel_by_batch"]))
+    print("policy       W2 + R: " + by_family(p["kernel_by_batch"])
+          + (" (512-bit operations at half rate here: the 256-bit families first where they measured faster)"
+             if p.get("half_rate_512") else ""))
     print("             R alone (base on a device): " + by_family(p["kernel_by_batch_alone"]))
     print("measured     R alone, fastest here: " + by_family(p["fastest_by_batch_alone"])
           + " (--tree-nodes auto times the families on the model and pins its fastest)")

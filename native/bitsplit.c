@@ -304,6 +304,8 @@ int bitsplit_draft_min_cols(void) {
     return f != NULL ? f->draft_min_cols : 0;
 }
 
+bool bitsplit_half_rate_512(void) { return bs_half_rate_in_force(); }
+
 const char * bitsplit_max_isa(void) {
     int cap;
     bs_isa_cap(&cap);

@@ -172,6 +172,10 @@ const char * bitsplit_kernel_for_batch(int64_t n_cols, bool residual_alone);
 int bitsplit_kernel_families(const char ** names, int max);
 /* the cap in force ("generic", "avx2" or "neon", "avxvnni", "avx512", "amx"); "generic" for a bad value */
 const char * bitsplit_max_isa(void);
+/* whether the policy's half-rate order is in force: this CPU runs 512-bit operations at half rate
+ * (AMD Zen 4; BITSPLIT_HALF_RATE_512=0/1 overrides the CPUID test) and an AVX-512 family runs here
+ * under the cap, so the 256-bit families come first where they measured faster */
+bool bitsplit_half_rate_512(void);
 /* the family the fast drafter computes base products with here ("" if none: ggml's kernels draft),
  * and the smallest batch it takes (ggml is faster below) */
 const char * bitsplit_draft_kernel(void);

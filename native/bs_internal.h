@@ -107,6 +107,13 @@ typedef struct bs_kernel_family {
 #define BS_SMALL_BATCH 6         /* up to here the per-column kernels come first (each to its max_cols) */
 #define BS_DECODE_COLS 32        /* a pinned family serves passes up to this many columns */
 #define BS_PROMPT_COLS 64        /* a prompt's passes take the policy's family for this many columns */
+/* whether this CPU runs 512-bit operations at half rate (AMD Zen 4), which reorders the policy
+ * (kernels.c); BITSPLIT_HALF_RATE_512=0/1 overrides the CPUID test */
+bool bs_half_rate_512(void);
+/* whether BITSPLIT_HALF_RATE_512 is unset, empty, 0 or 1 */
+bool bs_half_rate_env_ok(void);
+/* that, and an AVX-512 family runs here under the cap: the half-rate order is in force */
+bool bs_half_rate_in_force(void);
 /* the cap in force: min(BITSPLIT_MAX_ISA, none); false (and *cap = generic) for a bad value */
 bool bs_isa_cap(int * cap);
 const char * bs_isa_name(int isa);

@@ -189,6 +189,67 @@ static const bs_kernel_family * const order_large[] = {
 };
 #define N_FAMILIES (sizeof(order_small) / sizeof(order_small[0]))
 
+/* AMD Zen 4 (family 19h with AVX-512) runs each 512-bit operation through its 256-bit units in two
+ * passes, and its AVX-512 families fall far behind their showing on a Xeon or a Zen 5. Measured on
+ * a 2-core Zen 4 VM, Qwen2.5-Coder-1.5B q6_k split, 2 threads, the families interleaved in one
+ * process, medians of 3 (python bench/residual_speed.py SPLIT --batches 1,2,4,6,8,12,16,24,32
+ * --repeat 3 --kernel vnni-int24,avx512-bf16,avx2-int16,avx2-f32 [--residual-only]), ms per pass:
+ *   columns                   1    2    4    6    8   12   16   24   32
+ *   W2 + R  vnni-int24      204  196  345  295  375  573  688 1039 1462
+ *           avx512-bf16     539  589  575  556  557  574  648  709  819
+ *           avx2-int16      105  156  239  357  532  741  940 1399 1758
+ *           avx2-f32        283  448  333  376  388  461  591  670  836
+ *   R alone vnni-int24       78  101  141  256  250  351  458  779 1025
+ *           avx512-bf16     296  300  298  337  346  355  396  467  566
+ *           avx2-int16       49   59  102  142  191  272  372  526  687
+ *           avx2-f32        160  183  221  255  277  341  438  580  765
+ * (the built-in order there: vnni-int24 to 4 columns, then avx512-bf16). So where this holds the
+ * 256-bit integer family comes first for small batches (W2 + R to its max_cols, R alone to
+ * HR_INT16_ALONE_MAX columns), and avx2-f32 before avx512-bf16 to HR_F32_MAX columns (an earlier
+ * run had avx512-bf16 7% ahead at 16: the two are close from 16 to 32). BITSPLIT_HALF_RATE_512=1 /
+ * 0 forces this order on or off (a CPU this test misjudges: a Zen 5 with a 256-bit data path, say). */
+#define HR_INT16_ALONE_MAX 16
+#define HR_F32_MAX 16
+#if defined(__x86_64__)
+static const bs_kernel_family * const order_small_hr[] = {
+    &bs_family_avxvnni_int16, &bs_family_avx2_int16, &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16,
+    &bs_family_avx2_f32, &generic_family,
+};
+static const bs_kernel_family * const order_large_hr[] = {
+    &bs_family_amx_bf16, &bs_family_avx2_f32, &bs_family_avx512_bf16, &bs_family_vnni_int24, &bs_family_avxvnni_int16,
+    &bs_family_avx2_int16, &generic_family,
+};
+_Static_assert(sizeof(order_small_hr) == sizeof(order_small) && sizeof(order_large_hr) == sizeof(order_small),
+               "the half-rate orders hold every family");
+#endif
+
+bool bs_half_rate_512(void) {
+#if defined(__x86_64__)
+    /* the CPUID test once (threads racing here all store the same value) */
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+        const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+        unsigned family = (a >> 8) & 0xfu;
+        if (family == 0xfu) family += (a >> 20) & 0xffu;
+        __builtin_cpu_init();
+        v = amd && family == 0x19u && __builtin_cpu_supports("avx512f");
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    /* the override is read each time, as BITSPLIT_MAX_ISA is (a bad value: refused at load) */
+    const char * env = getenv("BITSPLIT_HALF_RATE_512");
+    if (env != NULL && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) {
+        return env[0] == '1';
+    }
+    return v == 1;
+#else
+    return false;
+#endif
+}
+
 static const char * const isa_names[] = {"generic", "simd", "avxvnni", "avx512", "amx"};
 
 const char * bs_isa_name(int isa) {
@@ -224,6 +285,28 @@ static bool usable(const bs_kernel_family * f, int cap) {
     return f->isa <= cap && f->available();
 }
 
+bool bs_half_rate_env_ok(void) {
+    const char * env = getenv("BITSPLIT_HALF_RATE_512");
+    return env == NULL || env[0] == '\0' || strcmp(env, "0") == 0 || strcmp(env, "1") == 0;
+}
+
+/* only where an AVX-512 family runs (under an AVX2 cap, or on a CPU without one: the AVX2 order) */
+static bool half_rate_in_force(int cap) {
+#if defined(__x86_64__)
+    return bs_half_rate_512() && (usable(&bs_family_vnni_int24, cap) || usable(&bs_family_avx512_bf16, cap) ||
+                                  usable(&bs_family_amx_bf16, cap));
+#else
+    (void)cap;
+    return false;
+#endif
+}
+
+bool bs_half_rate_in_force(void) {
+    int cap;
+    bs_isa_cap(&cap);
+    return half_rate_in_force(cap);
+}
+
 const bs_kernel_family * bs_family_named(const char * name) {
     int cap;
     bs_isa_cap(&cap);
@@ -240,7 +323,16 @@ static bool residual_alone(const bs_job * job) {
     return job->w2 == NULL && job->r != NULL && !job->draft;
 }
 
-static int col_limit(const bs_kernel_family * f, bool alone) {
+/* the most columns f is preferred for (0: no limit); hr: the half-rate order is in force */
+static int col_limit(const bs_kernel_family * f, bool alone, bool hr) {
+#if defined(__x86_64__)
+    if (hr) {
+        if (alone && (f == &bs_family_avx2_int16 || f == &bs_family_avxvnni_int16)) return HR_INT16_ALONE_MAX;
+        if (f == &bs_family_avx2_f32) return HR_F32_MAX;
+    }
+#else
+    (void)hr;
+#endif
     return alone && f->alone_max_cols > 0 ? f->alone_max_cols : f->max_cols;
 }
 
@@ -250,14 +342,19 @@ int bs_policy_list(int64_t n_cols, bool alone, const bs_job * job, const bs_kern
     alone = job != NULL ? residual_alone(job) : alone;
     /* products of the residual alone keep the per-column kernels' order at every batch: each
      * stays first to its own limit (alone_max_cols), past it the tile and f32 families take over */
-    const bs_kernel_family * const * order = n_cols <= BS_SMALL_BATCH || alone ? order_small : order_large;
+    const bool small = n_cols <= BS_SMALL_BATCH || alone;
+    const bs_kernel_family * const * order = small ? order_small : order_large;
+    const bool hr = half_rate_in_force(cap);
+#if defined(__x86_64__)
+    if (hr) order = small ? order_small_hr : order_large_hr;
+#endif
     int n = 0;
     /* pass 0: the families for this batch in the order's sequence; pass 1: those past their
      * max_cols, which still compute it (before generic, the last resort) */
     for (int pass = 0; pass < 2; pass++) {
         for (size_t i = 0; i < N_FAMILIES && n < max; i++) {
             const bs_kernel_family * f = order[i];
-            const int limit = col_limit(f, alone);
+            const int limit = col_limit(f, alone, hr);
             const bool past = limit > 0 && n_cols > limit;
             if (f == &generic_family || past != (pass == 1)) {
                 continue;

@@ -314,7 +314,13 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
         int cap;
         if (!bs_isa_cap(&cap)) {
             st = fail(err, err_size, BITSPLIT_E_INVALID, "BITSPLIT_MAX_ISA='%s': expected generic, avx2, neon, "
-                      "avx512 or amx", getenv("BITSPLIT_MAX_ISA"));
+                      "avxvnni, avx512 or amx", getenv("BITSPLIT_MAX_ISA"));
+            goto fail;
+        }
+        if (!bs_half_rate_env_ok()) {
+            st = fail(err, err_size, BITSPLIT_E_INVALID, "BITSPLIT_HALF_RATE_512='%s': expected 1 (this CPU runs "
+                      "512-bit operations at half rate), 0 (it does not) or unset (its CPUID decides)",
+                      getenv("BITSPLIT_HALF_RATE_512"));
             goto fail;
         }
         if (!bs_thread_min_bytes(&ctx->thread_min_bytes)) {

@@ -49,6 +49,7 @@ def check_profile(p: dict) -> None:
         assert k in p, k
     fams = policy.families()
     assert p["families"] == fams and p["max_isa"] == policy.max_isa() and p["draft_kernel"] == policy.draft_kernel()
+    assert p["half_rate_512"] is policy.half_rate_512()
     assert p["kernel_by_batch"] == {str(b): policy.kernel_for_batch(b) for b in (1, 2, 4, 5, 8, 16, 32, 64)}
     alone = {str(b): policy.kernel_for_batch(b, residual_alone=True) for b in (1, 2, 4, 5, 8, 16, 32, 64)}
     assert p["kernel_by_batch_alone"] == alone

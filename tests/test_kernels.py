@@ -386,12 +386,71 @@ def test_avx2_policy_by_batch():
     assert alone == ["avx2-int16"] * 7 + ["avx2-f32"] * 3
 
 
-def test_bad_isa_cap_is_refused(tiny_split):
-    """A misspelt cap is an error naming the value, not a silent fallback."""
+def _policy_table(env_extra: dict, batches) -> tuple[bool, list, list, list]:
+    code = "import json; from bitsplit_llama.native import policy; " \
+           f"print(json.dumps([policy.half_rate_512(), policy.families(), " \
+           f"*[[policy.kernel_for_batch(b, a) for b in {tuple(batches)!r}] for a in (False, True)]]))"
+    env = {**os.environ, **env_extra}
+    env.pop("BITSPLIT_KERNEL", None)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return tuple(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def test_half_rate_512_order():
+    """Where 512-bit operations run at half rate (AMD Zen 4, or BITSPLIT_HALF_RATE_512=1), the
+    256-bit integer family takes W2 + R to its 6 columns and R alone to 16, avx2-f32 W2 + R from 7
+    to 16 columns, and an AVX-512 family the rest; =0 gives the built-in order, and under an AVX2
+    cap the forced order changes nothing (no AVX-512 family to put behind). Testable on every x86
+    CPU: the override stands in for the CPUID test."""
+    if "avx2-f32" not in policy.families():
+        pytest.skip(f"no AVX2 here (families: {', '.join(policy.families())})")
+    batches = (1, 2, 4, 6, 7, 8, 12, 16, 17, 32, 64)
+    for cap in ("avx2", "avxvnni"):  # no AVX-512 family: the order is not in force
+        on, off = _policy_table({"BITSPLIT_HALF_RATE_512": "1", "BITSPLIT_MAX_ISA": cap}, batches), \
+            _policy_table({"BITSPLIT_HALF_RATE_512": "0", "BITSPLIT_MAX_ISA": cap}, batches)
+        assert on[0] is False and off[0] is False
+        assert on[1:] == off[1:], cap
+    hr, fams, with_base, alone = _policy_table({"BITSPLIT_HALF_RATE_512": "1", "BITSPLIT_MAX_ISA": "amx"}, batches)
+    wide = [f for f in ("amx-bf16", "avx512-bf16") if f in fams]
+    if not wide:  # no AVX-512 family here: nothing to reorder, the override changes nothing
+        assert hr is False
+        assert (hr, fams, with_base, alone) == _policy_table({"BITSPLIT_HALF_RATE_512": "0",
+                                                              "BITSPLIT_MAX_ISA": "amx"}, batches)
+        return
+    assert hr is True
+    int16 = "avxvnni-int16" if "avxvnni-int16" in fams else "avx2-int16"
+    assert fams[0] == int16
+    assert with_base == [int16] * 4 + ["avx2-f32"] * 4 + [wide[0]] * 3
+    assert alone == [int16] * 8 + [wide[0]] * 3
+    _, _, with_base0, alone0 = _policy_table({"BITSPLIT_HALF_RATE_512": "0", "BITSPLIT_MAX_ISA": "amx"}, batches)
+    assert with_base0[0] != int16 and alone0[0] != int16  # the built-in order: an AVX-512 family first
+    # here, as the suite runs: the CPUID test (or the override), where an AVX-512 family runs
+    env_hr = os.environ.get("BITSPLIT_HALF_RATE_512")
+    trait = env_hr == "1" if env_hr in ("0", "1") else _cpu_is_zen4()
+    assert policy.half_rate_512() == (trait and bool({"vnni-int24", "avx512-bf16", "amx-bf16"} & set(HERE)))
+
+
+def _cpu_is_zen4() -> bool:
+    """AMD family 19h with AVX-512 (Zen 4), from /proc/cpuinfo: what the library's CPUID test finds."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    first = info.split("\n\n")[0]
+    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25" and \
+        "avx512f" in fields.get("flags", "").split()
+
+
+@pytest.mark.parametrize("var,bad", [("BITSPLIT_MAX_ISA", "avx3"), ("BITSPLIT_HALF_RATE_512", "yes")])
+def test_bad_isa_cap_is_refused(tiny_split, var, bad):
+    """A misspelt cap (or half-rate override) is an error naming the value, not a silent fallback."""
     code = f"from bitsplit_llama.native.residual import Residual; Residual({str(tiny_split)!r})"
-    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "BITSPLIT_MAX_ISA": "avx3"},
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, var: bad},
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "BITSPLIT_MAX_ISA='avx3'" in p.stderr
+    assert p.returncode != 0 and f"{var}='{bad}'" in p.stderr, p.stderr
 
 
 def test_unknown_kernel_is_refused(tiny_split):

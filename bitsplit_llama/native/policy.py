@@ -50,3 +50,11 @@ def max_isa() -> str:
     """The cap in force (``BITSPLIT_MAX_ISA``; unset: amx, i.e. none)."""
     _, lib = load()
     return _s(lib.bitsplit_max_isa())
+
+
+def half_rate_512() -> bool:
+    """Whether the policy's half-rate order is in force: this CPU runs 512-bit operations at half
+    rate (AMD Zen 4; ``BITSPLIT_HALF_RATE_512=0/1`` overrides the CPUID test) and an AVX-512
+    family runs here under the cap, so the 256-bit families come first where they measured faster."""
+    _, lib = load()
+    return bool(lib.bitsplit_half_rate_512())

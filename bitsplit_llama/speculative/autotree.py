@@ -5,9 +5,9 @@ Two measurements, cached per model (base fingerprint), machine (CPU model, threa
 - costs: the wall time of a drafter pass for 1, 2, 4 tokens and of a verifier pass for 2..25 rows
   with each kernel family this CPU runs (interpolated in between). A generation pins one family for
   all its passes; the fastest for its pass size here is the one it pins. The built-in kernel policy's
-  thresholds were measured on a few CPUs and move from one to the next (on a Zen 4, ``avx2-int16``
-  takes 0.6-0.8x ``vnni-int24``'s time at 1-2 rows, which the policy prefers; on a Zen 5
-  ``avx512-bf16`` overtakes the 256-bit integers from 3-4 rows, on a Zen 4 from 14);
+  thresholds were measured on a few CPUs and move from one to the next (on a Zen 5
+  ``avx512-bf16`` overtakes the 256-bit integers from 3-4 rows, on a Zen 4 from 14; the policy
+  orders a Zen 4's families by their own measurement, other CPUs' by a Xeon's);
 - acceptance: over a short calibration run (greedy, built-in code and English prompts, a wide
   tree), how often the verifier's token is the drafter's best, second, third, fourth candidate.
 

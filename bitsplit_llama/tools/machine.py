@@ -191,6 +191,7 @@ def profile_key(threads: Optional[int] = None, quick: bool = False) -> tuple[str
         "flags": hashlib.sha256(" ".join(sorted(cpu["flags"])).encode()).hexdigest()[:16],
         "native_build": build_key()[0],
         "max_isa": os.environ.get("BITSPLIT_MAX_ISA", ""),
+        "half_rate_512": os.environ.get("BITSPLIT_HALF_RATE_512", ""),
         "kernel": os.environ.get("BITSPLIT_KERNEL", ""),
         "threads": _threads(threads),
         "size": (QUICK if quick else FULL).name,
@@ -706,6 +707,11 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         from ..errors import InvalidOptionError
 
         raise InvalidOptionError(f"BITSPLIT_MAX_ISA='{cap}': expected one of {', '.join(policy.ISA_LEVELS)}")
+    hr = os.environ.get("BITSPLIT_HALF_RATE_512", "")
+    if hr not in ("", "0", "1"):
+        from ..errors import InvalidOptionError
+
+        raise InvalidOptionError(f"BITSPLIT_HALF_RATE_512='{hr}': expected 1, 0 or unset")
     t_start = time.perf_counter()
     size = QUICK if quick else full_size()
     threads = _threads(threads)
@@ -751,6 +757,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "native_build": build_key()[0],
         "families": fams,
         "max_isa": policy.max_isa(),
+        "half_rate_512": policy.half_rate_512(),
         "kernel_by_batch": {str(b): policy.kernel_for_batch(b) for b in POLICY_BATCHES},
         "kernel_by_batch_alone": {str(b): policy.kernel_for_batch(b, residual_alone=True) for b in POLICY_BATCHES},
         "fastest_by_batch_alone": fastest_by_batch(residual),
