@@ -203,12 +203,22 @@ static const bs_kernel_family * const order_large[] = {
  *           avx512-bf16     296  300  298  337  346  355  396  467  566
  *           avx2-int16       49   59  102  142  191  272  372  526  687
  *           avx2-f32        160  183  221  255  277  341  438  580  765
+ * and again with the base, medians of 5 (--batches 4,5,6,8,10,12,16 --repeat 5):
+ *   columns                   4    5    6    8   10   12   16
+ *           vnni-int24      237  300  291  400  452  633  776
+ *           avx2-int16      222  328  329  568  586  824  952
+ *           avx2-f32        349  421  333  417  513  498  599
+ *           avx512-bf16     590  545  569  574  613  635  612
  * (the built-in order there: vnni-int24 to 4 columns, then avx512-bf16). So where this holds the
- * 256-bit integer family comes first for small batches (W2 + R to its max_cols, R alone to
- * HR_INT16_ALONE_MAX columns), and avx2-f32 before avx512-bf16 to HR_F32_MAX columns (an earlier
- * run had avx512-bf16 7% ahead at 16: the two are close from 16 to 32). BITSPLIT_HALF_RATE_512=1 /
- * 0 forces this order on or off (a CPU this test misjudges: a Zen 5 with a 256-bit data path, say). */
+ * 256-bit integer family comes first for small batches (W2 + R to HR_INT16_MAX columns, R alone to
+ * HR_INT16_ALONE_MAX), then vnni-int24 for W2 + R to HR_VNNI_MAX (5-10 columns: 4-14% ahead of the
+ * next; --tree-nodes auto's calibration found the same), avx2-f32 to HR_F32_MAX (an earlier run had
+ * avx512-bf16 7% ahead at 16: the two are close from 16 to 32), avx512-bf16 above.
+ * BITSPLIT_HALF_RATE_512=1 / 0 forces this order on or off (a CPU this test misjudges: a Zen 5 with
+ * a 256-bit data path, say). */
+#define HR_INT16_MAX 4
 #define HR_INT16_ALONE_MAX 16
+#define HR_VNNI_MAX 10
 #define HR_F32_MAX 16
 #if defined(__x86_64__)
 static const bs_kernel_family * const order_small_hr[] = {
@@ -216,7 +226,7 @@ static const bs_kernel_family * const order_small_hr[] = {
     &bs_family_avx2_f32, &generic_family,
 };
 static const bs_kernel_family * const order_large_hr[] = {
-    &bs_family_amx_bf16, &bs_family_avx2_f32, &bs_family_avx512_bf16, &bs_family_vnni_int24, &bs_family_avxvnni_int16,
+    &bs_family_amx_bf16, &bs_family_vnni_int24, &bs_family_avx2_f32, &bs_family_avx512_bf16, &bs_family_avxvnni_int16,
     &bs_family_avx2_int16, &generic_family,
 };
 _Static_assert(sizeof(order_small_hr) == sizeof(order_small) && sizeof(order_large_hr) == sizeof(order_small),
@@ -327,7 +337,8 @@ static bool residual_alone(const bs_job * job) {
 static int col_limit(const bs_kernel_family * f, bool alone, bool hr) {
 #if defined(__x86_64__)
     if (hr) {
-        if (alone && (f == &bs_family_avx2_int16 || f == &bs_family_avxvnni_int16)) return HR_INT16_ALONE_MAX;
+        if (f == &bs_family_avx2_int16 || f == &bs_family_avxvnni_int16) return alone ? HR_INT16_ALONE_MAX : HR_INT16_MAX;
+        if (f == &bs_family_vnni_int24) return HR_VNNI_MAX;
         if (f == &bs_family_avx2_f32) return HR_F32_MAX;
     }
 #else
