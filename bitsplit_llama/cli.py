@@ -959,6 +959,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
+    # llama.cpp's own aborts (an assertion in ggml, an uncaught C++ exception) print their message
+    # without a debugger's backtrace: ggml forks gdb to attach to the process where one is installed,
+    # pages of output that can take a minute on a big process. BITSPLIT_DEBUG=1 keeps it.
+    if os.environ.get("BITSPLIT_DEBUG", "") in ("", "0"):
+        os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     sys.exit(main())
 
 

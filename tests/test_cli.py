@@ -260,3 +260,36 @@ def test_commands_load_llama_cpp_before_numpy(tiny_split):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "0 True", out.stdout
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_cli_turns_off_ggmls_debugger_backtrace(debug):
+    """The console entry sets GGML_NO_BACKTRACE (unless BITSPLIT_DEBUG, or the user set it): a
+    llama.cpp abort then prints its message, not gdb attaching to the process. Checked by what ggml
+    itself does: its backtrace printer, called directly, writes nothing."""
+    code = ("import ctypes, os, sys\n"
+            "from bitsplit_llama import cli\n"
+            "sys.argv = ['bitsplit', '--help']\n"
+            "try:\n    cli.entry()\nexcept SystemExit:\n    pass\n"
+            "print('GGML_NO_BACKTRACE=' + repr(os.environ.get('GGML_NO_BACKTRACE')), flush=True)\n"
+            "if os.environ.get('GGML_NO_BACKTRACE'):\n"
+            "    import llama_cpp\n"
+            "    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), 'lib', 'libggml-base.so'))\n"
+            "    sys.stderr.flush()\n"
+            "    lib.ggml_print_backtrace()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("GGML_NO_BACKTRACE", "BITSPLIT_DEBUG")}
+    if debug:
+        env["BITSPLIT_DEBUG"] = debug
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    if debug:
+        assert "GGML_NO_BACKTRACE=None" in p.stdout
+    else:
+        assert "GGML_NO_BACKTRACE='1'" in p.stdout
+        assert p.stderr.strip() == "", p.stderr  # no gdb, no backtrace_symbols
+    # a value the user set is kept
+    env["GGML_NO_BACKTRACE"] = "yes"
+    env.pop("BITSPLIT_DEBUG", None)
+    p = subprocess.run([sys.executable, "-c", code.split("if os.environ")[0]], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert "GGML_NO_BACKTRACE='yes'" in p.stdout, p.stderr
