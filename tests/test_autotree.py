@@ -112,6 +112,11 @@ def test_profile_takes_the_fastest_family_per_pass_size():
     assert prof.kernel(5) == "a" and prof.verify(5) == pytest.approx(10.0 + 40.0 * 3 / 23)
     assert prof.kernel(13) == "b" and prof.verify(13) == pytest.approx(20.0 + 10.0 * 11 / 23)
     assert autotree.Profile({2: 5.0}, {1: 1.0}, [0.5], 5.0).kernel(2) is None  # not measured per family
+    # the policy's family keeps its place against a lead within the calibration's noise
+    assert prof.kernel(2, prefer="b") == "a"  # 20 against 10: a real lead
+    close = autotree.Profile({2: 99.0}, {1: 1.0}, [0.5], 99.0, {"a": {2: 10.0}, "b": {2: 10.4}})
+    assert close.kernel(2) == "a" and close.kernel(2, prefer="b") == "b" and close.kernel(2, prefer="c") == "a"
+    assert autotree.Profile({2: 99.0}, {1: 1.0}, [0.5], 99.0, {"a": {2: 10.0}, "b": {2: 10.6}}).kernel(2, prefer="b") == "a"
 
 
 def test_auto_tree_pins_the_family_measured_fastest(tiny_split, tmp_path, monkeypatch):

@@ -52,6 +52,10 @@ CALIBRATION_TOKENS = 40                  # tokens generated per calibration prom
 CALIBRATION_N_CTX = 256 - n_seq_max_for(CALIBRATION_SHAPE)
 
 
+# a family measured faster than the kernel policy's by less than this share does not displace it
+FAMILY_TIE = 0.05
+
+
 @dataclass
 class Profile:
     verify_ms: dict[int, float]
@@ -66,12 +70,20 @@ class Profile:
             return min(_interp(t, rows) for t in self.family_ms.values())
         return _interp(self.verify_ms, rows)
 
-    def kernel(self, rows: int) -> str | None:
+    def kernel(self, rows: int, prefer: str | None = None) -> str | None:
         """The family whose verify pass of ``rows`` rows was fastest here (None: not measured per
-        family; the kernel policy decides)."""
+        family; the kernel policy decides). ``prefer`` (the policy's family) keeps its place unless
+        another was more than :data:`FAMILY_TIE` faster: a closer lead is within the calibration's
+        noise (a Zen 4's calibration once put ``vnni-int24`` 3% ahead of ``avx2-int16`` at 2 rows,
+        where the products alone take 1.25x its time: one bench run with that choice gave 0.65x stock
+        Q8_0, four with ``avx2-int16`` 0.78-0.81x)."""
         if not self.family_ms:
             return None
-        return min(self.family_ms, key=lambda f: _interp(self.family_ms[f], rows))
+        best = min(self.family_ms, key=lambda f: _interp(self.family_ms[f], rows))
+        if prefer in self.family_ms and \
+                _interp(self.family_ms[prefer], rows) <= (1 + FAMILY_TIE) * _interp(self.family_ms[best], rows):
+            return prefer
+        return best
 
     def draft(self, batch: int) -> float:
         return _interp(self.draft_ms, batch)
@@ -212,10 +224,12 @@ def _measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Call
     n_ctx = engine.ctx.n_ctx
     prefix = tokenize(CALIBRATION_PROMPTS[0] * 4)[:n_ctx - max(VERIFY_BATCHES + DRAFT_BATCHES) - 1]
     engine.prefill(prefix, Stats())
-    family_ms = {}
-    for fam in candidate_families():
-        with engine.decode_kernel(2, fam):
-            family_ms[fam] = {rows: engine.time_pass(rows, verify=True) for rows in VERIFY_BATCHES}
+    family_ms: dict[str, dict[int, float]] = {}
+    fams = candidate_families()
+    for rows in VERIFY_BATCHES:  # the families in turn at each size: drift spreads over all of them
+        for fam in fams:
+            with engine.decode_kernel(2, fam):
+                family_ms.setdefault(fam, {})[rows] = engine.time_pass(rows, verify=True)
     if family_ms:  # the fastest family's time at each size (the policy's family is among those timed)
         verify_ms = {rows: min(t[rows] for t in family_ms.values()) for rows in VERIFY_BATCHES}
     else:

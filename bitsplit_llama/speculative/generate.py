@@ -102,7 +102,9 @@ class Generator:
         # family measured fastest at that size here (unless one was asked for, or BITSPLIT_KERNEL)
         rows = max(2, self.shape.nodes + 1)
         if auto and prof is not None and kernel is None and not kernel_pinned_by_env():
-            kernel = prof.kernel(rows)
+            from ..native import policy
+
+            kernel = prof.kernel(rows, prefer=policy.kernel_for_batch(rows, residual_alone=self.sm.residual_alone))
             if kernel is not None:
                 self.auto_choice["kernel"] = kernel
         self.kernel = self.sm.residual.choose_decode_kernel(rows, kernel, residual_alone=self.sm.residual_alone)
