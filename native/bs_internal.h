@@ -428,6 +428,27 @@ static inline void bs_k4_scale_min(int j, const uint8_t * q, uint8_t * d, uint8_
     }
 }
 
+/* All eight of Q4_K / Q5_K's 6-bit scales and mins at once (bs_k4_scale_min's values for j = 0..7,
+ * as bytes 0-7 of *sc and *m), four bytes per 32-bit operation: the scalar loop over j, unrolled,
+ * cost a Q5_K residual's unit more than its eight groups' products at one column (measured) */
+static inline void bs_k4_scales_mins(const uint8_t * q, uint64_t * sc, uint64_t * m) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, bits45 = 0x30303030u;
+    /* j < 4: q[j] & 63, q[j + 4] & 63; j >= 4: q[j + 4]'s nibble, and bits 6-7 of q[j - 4] (scales)
+     * or q[j] (mins) as bits 4-5 (a byte's bits 6-7 shifted right by 2; the next byte's low bits
+     * that the shift brings in are masked off) */
+    const uint32_t s_hi = (c & low4) | ((a >> 2) & bits45), m_hi = ((c >> 4) & low4) | ((b >> 2) & bits45);
+    const uint32_t s_lo = a & low6, m_lo = b & low6;
+    uint8_t bs[8], bm[8];
+    memcpy(bs, &s_lo, 4), memcpy(bs + 4, &s_hi, 4);
+    memcpy(bm, &m_lo, 4), memcpy(bm + 4, &m_hi, 4);
+    memcpy(sc, bs, 8);
+    memcpy(m, bm, 8);
+}
+
 /* Q3_K's sixteen 6-bit scales, packed in 12 bytes, as signed bytes still offset by 32 */
 static inline void bs_q3k_scales(const uint8_t * s12, int8_t out[16]) {
     uint32_t aux[4];

@@ -117,6 +117,13 @@ def test_profile_takes_the_fastest_family_per_pass_size():
     close = autotree.Profile({2: 99.0}, {1: 1.0}, [0.5], 99.0, {"a": {2: 10.0}, "b": {2: 10.4}})
     assert close.kernel(2) == "a" and close.kernel(2, prefer="b") == "b" and close.kernel(2, prefer="c") == "a"
     assert autotree.Profile({2: 99.0}, {1: 1.0}, [0.5], 99.0, {"a": {2: 10.0}, "b": {2: 10.6}}).kernel(2, prefer="b") == "a"
+    # the cost curves price the family the run will pin: the policy's, where it keeps its place
+    assert close.verify(2) == 10.0 and close.verify(2, lambda rows: "b") == 10.4
+    assert close.plain() == 10.0 and close.plain(lambda rows: "b") == 10.4
+    assert prof.verify(2, lambda rows: "b") == 10.0  # a real lead: the faster family's time
+    shape = autotree.TreeShape(1, 1, 1)  # a 1-node chain: one 2-row verify pass and one draft
+    assert autotree.expected(shape, close, lambda rows: "b")[1] == pytest.approx((1.0 + 10.4) / 1000)
+    assert autotree.expected(shape, close)[1] == pytest.approx((1.0 + 10.0) / 1000)
 
 
 def test_auto_tree_pins_the_family_measured_fastest(tiny_split, tmp_path, monkeypatch):

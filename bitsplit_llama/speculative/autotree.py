@@ -65,9 +65,12 @@ class Profile:
     # verify pass times per kernel family ({family: {rows: ms}}); empty: verify_ms, the policy's family
     family_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
-    def verify(self, rows: int) -> float:
+    def verify(self, rows: int, prefer: Callable[[int], str | None] | None = None) -> float:
+        """A verify pass of ``rows`` rows with the family :meth:`kernel` pins for it (``prefer``
+        gives the policy's family per size, as to :meth:`kernel`); without per-family times, the
+        policy's family's."""
         if self.family_ms:
-            return min(_interp(t, rows) for t in self.family_ms.values())
+            return _interp(self.family_ms[self.kernel(rows, prefer(rows) if prefer else None)], rows)
         return _interp(self.verify_ms, rows)
 
     def kernel(self, rows: int, prefer: str | None = None) -> str | None:
@@ -84,6 +87,10 @@ class Profile:
                 _interp(self.family_ms[prefer], rows) <= (1 + FAMILY_TIE) * _interp(self.family_ms[best], rows):
             return prefer
         return best
+
+    def plain(self, prefer: Callable[[int], str | None] | None = None) -> float:
+        """A plain decoding step: a 2-row verify pass (in the family pinned for 2 rows)."""
+        return self.verify(2, prefer) if self.family_ms else self.plain_ms
 
     def draft(self, batch: int) -> float:
         return _interp(self.draft_ms, batch)
@@ -128,11 +135,13 @@ def setup_of(sm) -> str:
             + (f"|rpc={len(sm.rpc)}" if sm.rpc else ""))
 
 
-def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None) -> tuple[TreeShape, float, list]:
+def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None,
+                    prefer: Callable[[int], str | None] | None = None) -> tuple[TreeShape, float, list]:
     """The tree size of a split's acceptance profile (``bitsplit profile``) with the best tokens/s:
     measured tokens per verification, and the profile's own times when it was measured with this
-    machine key, else this machine's cost curves ``prof`` (a verify pass of nodes + 1 rows, the
-    measured drafter passes per cycle at the tree's width). Returns (shape, tokens/s, table)."""
+    machine key, else this machine's cost curves ``prof`` (a verify pass of nodes + 1 rows in the
+    family pinned for it, ``prefer`` as to :meth:`Profile.kernel`, and the measured drafter passes per
+    cycle at the tree's width). Returns (shape, tokens/s, table)."""
     same = split_prof.get("machine_key") == key
     if not same and prof is None:
         raise ValueError("a profile measured elsewhere needs this machine's cost curves")
@@ -143,9 +152,9 @@ def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None) -
         if same:
             sec = (float(r["ms_per_verify"]) + float(r["ms_drafting_per_cycle"])) / 1000
         elif n == 0:
-            sec = prof.plain_ms / 1000
+            sec = prof.plain(prefer) / 1000
         else:
-            sec = (float(r["draft_passes_per_cycle"]) * prof.draft(shape.width) + prof.verify(n + 1)) / 1000
+            sec = (float(r["draft_passes_per_cycle"]) * prof.draft(shape.width) + prof.verify(n + 1, prefer)) / 1000
         tok = float(r["tokens_per_verify"])
         rows.append((shape, tok, sec, tok / sec if sec > 0 else 0.0))
     rows.sort(key=lambda r: -r[3])
@@ -160,10 +169,13 @@ def cache_path(base_fingerprint: str, threads: int, setup: str = "") -> Path:
     return cache_dir() / "autotree" / f"{base_fingerprint[:16]}-{_machine_key(threads, setup)}.json"
 
 
-def expected(shape: TreeShape, prof: Profile) -> tuple[float, float]:
-    """(expected tokens per cycle, expected seconds per cycle) of a shape under the profile."""
+def expected(shape: TreeShape, prof: Profile,
+             prefer: Callable[[int], str | None] | None = None) -> tuple[float, float]:
+    """(expected tokens per cycle, expected seconds per cycle) of a shape under the profile, its
+    verify pass in the family :meth:`Profile.kernel` pins for its size (``prefer``: the policy's
+    family per size)."""
     if shape.nodes == 0:
-        return 1.0, prof.plain_ms / 1000
+        return 1.0, prof.plain(prefer) / 1000
     lp = [math.log(max(p, 1e-9)) for p in prof.rank_probs]
     b = TreeBuilder(0, shape.width, shape.nodes + shape.width * 2)
     cost = prof.draft(1)  # the root
@@ -180,7 +192,7 @@ def expected(shape: TreeShape, prof: Profile) -> tuple[float, float]:
         frontier = added
     tree = b.tree.best(shape.nodes)
     tokens = 1.0 + sum(math.exp(n.logp) for n in tree.nodes)
-    cost += prof.verify(1 + len(tree))
+    cost += prof.verify(1 + len(tree), prefer)
     return tokens, cost / 1000
 
 
@@ -199,12 +211,14 @@ def candidate_shapes(max_nodes: int = 24) -> list[TreeShape]:
     return shapes
 
 
-def choose(prof: Profile, max_nodes: int = 24) -> tuple[TreeShape, float, list[tuple[TreeShape, float, float, float]]]:
+def choose(prof: Profile, max_nodes: int = 24, prefer: Callable[[int], str | None] | None = None
+           ) -> tuple[TreeShape, float, list[tuple[TreeShape, float, float, float]]]:
     """The best shape, its expected tokens/s, and the table of every candidate
-    (shape, tokens per cycle, seconds per cycle, tokens/s), best first."""
+    (shape, tokens per cycle, seconds per cycle, tokens/s), best first. ``prefer`` (rows -> the
+    kernel policy's family) prices each verify pass in the family the generation will pin."""
     rows = []
     for shape in candidate_shapes(max_nodes):
-        tok, sec = expected(shape, prof)
+        tok, sec = expected(shape, prof, prefer)
         rows.append((shape, tok, sec, tok / sec))
     rows.sort(key=lambda r: -r[3])
     return rows[0][0], rows[0][3], rows

@@ -82,17 +82,23 @@ class Generator:
             setup = autotree.setup_of(self.sm)
             key = autotree.machine_key(self.sm.ctx.n_threads, setup)
             prof = None
+            prefer = None  # rows -> the policy's family: the cost curves price the family the run pins
+            if kernel is None and not kernel_pinned_by_env():
+                from ..native import policy
+
+                def prefer(rows: int) -> str | None:
+                    return policy.kernel_for_batch(rows, residual_alone=self.sm.residual_alone)
             if split_prof is None or split_prof.get("machine_key") != key:
                 prof = autotree.load_or_measure(Engine(self.sm, self.shape), self.tokenize, self.sm.model.is_eog, fp,
                                                 self.sm.ctx.n_threads, log, setup)
             if split_prof is not None:
-                self.shape, best_tps, table = autotree.choose_measured(split_prof, key, prof)
+                self.shape, best_tps, table = autotree.choose_measured(split_prof, key, prof, prefer)
                 self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
                                     "expected_tokens_per_second": round(best_tps, 3),
                                     "from": "acceptance profile" + (" (its times)" if prof is None else
                                                                     " (this machine's cost curves)")}
             else:
-                self.shape, best_tps, table = autotree.choose(prof)
+                self.shape, best_tps, table = autotree.choose(prof, prefer=prefer)
                 fixed16 = next((r for r in table if (r[0].nodes, r[0].width, r[0].rounds) == (16, 4, 7)), None)
                 self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
                                     "expected_tokens_per_second": round(best_tps, 3),
@@ -101,10 +107,8 @@ class Generator:
         # plain steps carry two rows; tree passes 1 + nodes. With the auto tree's cost curves, the
         # family measured fastest at that size here (unless one was asked for, or BITSPLIT_KERNEL)
         rows = max(2, self.shape.nodes + 1)
-        if auto and prof is not None and kernel is None and not kernel_pinned_by_env():
-            from ..native import policy
-
-            kernel = prof.kernel(rows, prefer=policy.kernel_for_batch(rows, residual_alone=self.sm.residual_alone))
+        if auto and prof is not None and prefer is not None:
+            kernel = prof.kernel(rows, prefer=prefer(rows))
             if kernel is not None:
                 self.auto_choice["kernel"] = kernel
         self.kernel = self.sm.residual.choose_decode_kernel(rows, kernel, residual_alone=self.sm.residual_alone)

@@ -2250,6 +2250,30 @@ static void test_thread_sizing(const model * m) {
 
 /* The importance-matrix collector on hand-made products: what it asks for, its sums and counts
  * against a plain computation, copy names, bad activations, shape mismatches and expert ids. */
+/* bs_k4_scales_mins (all of Q4_K / Q5_K's scales and mins at once, which the integer families
+ * take) against bs_k4_scale_min (one index, the reference layout): every value of each of the 12
+ * bytes with the others random, and random blocks */
+static void test_k4_scales(void) {
+    uint32_t st = 12345u;
+    long bad = 0;
+    for (int it = 0; it < 12 * 256 + 4096; it++) {
+        uint8_t q[12];
+        for (int i = 0; i < 12; i++) {
+            st = st * 1664525u + 1013904223u;
+            q[i] = (uint8_t)(st >> 24);
+        }
+        if (it < 12 * 256) q[it / 256] = (uint8_t)(it % 256);
+        uint64_t s8, m8;
+        bs_k4_scales_mins(q, &s8, &m8);
+        for (int j = 0; j < 8; j++) {
+            uint8_t s1, m1;
+            bs_k4_scale_min(j, q, &s1, &m1);
+            if (s1 != (uint8_t)(s8 >> (8 * j)) || m1 != (uint8_t)(m8 >> (8 * j))) bad++;
+        }
+    }
+    CHECK(bad == 0, "bs_k4_scales_mins differs from bs_k4_scale_min in %ld values", bad);
+}
+
 static void test_imatrix(void) {
     enum { K = 40, N = 6, ROWS = 20, E = 3, NUSED = 2 };
     struct ggml_init_params ip = {.mem_size = 32 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
@@ -2463,6 +2487,7 @@ int main(int argc, char ** argv) {
     double t = now_s();
     test_api_edges(&m, work);
     test_imatrix();
+    test_k4_scales();
     test_thread_sizing(&m);
     test_valid_load(&m, quick);
     test_scratch_out_of_memory(&m);

@@ -187,9 +187,10 @@ INL void decode_unit(int t, const uint8_t * b, int ng, unit_buf * h) {
             const bool q5 = t == T_Q5_K;
             const float dmin = h2f(b + 2);
             h->d = h2f(b);
+            uint64_t s8, m8;
+            bs_k4_scales_mins(b + 4, &s8, &m8);
             for (int j = 0; j < 8; j++) {
-                uint8_t s1, m;
-                bs_k4_scale_min(j, b + 4, &s1, &m);
+                const uint8_t s1 = (uint8_t)(s8 >> (8 * j)), m = (uint8_t)(m8 >> (8 * j));
                 h->sc[2 * j] = h->sc[2 * j + 1] = s1;
                 h->O[2 * j] = h->O[2 * j + 1] = -dmin * (float)m;
             }

@@ -69,12 +69,12 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
         case T_Q4_K:
         case T_Q5_K: { /* 8 sub-blocks of 32 */
             const float d = h2f(b), dmin = h2f(b + 2);
-            for (int j = 0; j < 8; j++) {
-                uint8_t sc, m;
-                bs_k4_scale_min(j, b + 4, &sc, &m);
-                s->D[j] = d * (float)sc;
-                s->O[j] = -dmin * (float)m;
-            }
+            uint64_t s8, m8;
+            bs_k4_scales_mins(b + 4, &s8, &m8);
+            _mm256_storeu_ps(s->D, _mm256_mul_ps(_mm256_set1_ps(d),
+                                                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)s8)))));
+            _mm256_storeu_ps(s->O, _mm256_mul_ps(_mm256_set1_ps(-dmin),
+                                                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8)))));
             break;
         }
         case T_Q6_K:
@@ -251,15 +251,16 @@ INL void iscales(int t, const uint8_t * b, __m256i * S, float * d, float * O) {
         case T_Q4_K:
         case T_Q5_K: { /* 8 sub-blocks of 32 */
             const float dmin = h2f(b + 2);
-            int16_t sc[16];
             *d = h2f(b);
-            for (int j = 0; j < 8; j++) {
-                uint8_t s1, m;
-                bs_k4_scale_min(j, b + 4, &s1, &m);
-                sc[2 * j] = sc[2 * j + 1] = (int16_t)s1;
-                O[2 * j] = O[2 * j + 1] = -dmin * (float)m;
-            }
-            *S = _mm256_loadu_si256((const __m256i *)sc);
+            uint64_t s8, m8;
+            bs_k4_scales_mins(b + 4, &s8, &m8);
+            const __m128i sv = _mm_cvtsi64_si128((long long)s8), mv = _mm_cvtsi64_si128((long long)m8);
+            /* each of the 8 given twice (the halves of its sub-block of 32) */
+            *S = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sv, sv));
+            const __m128i m2 = _mm_unpacklo_epi8(mv, mv);
+            const __m256 dm = _mm256_set1_ps(-dmin);
+            _mm256_storeu_ps(O, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m2))));
+            _mm256_storeu_ps(O + 8, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(m2, 8)))));
             break;
         }
         default:

@@ -187,14 +187,14 @@ TGT static void dec_q45_K(const uint8_t * b, wblock * w, bool q5) {
     const float d = h2f(b), dmin = h2f(b + 2);
     const uint8_t * scales = b + 4;
     const uint8_t * qs = b + (q5 ? 48 : 16);
-    float Dv[8], Ov[16];
-    for (int j = 0; j < 8; j++) {
-        uint8_t s, m;
-        bs_k4_scale_min(j, scales, &s, &m);
-        Dv[j] = d * s;
-        Ov[2 * j] = Ov[2 * j + 1] = -dmin * m;
-    }
-    w->O = _mm512_loadu_ps(Ov);
+    float Dv[8];
+    uint64_t s8, m8;
+    bs_k4_scales_mins(scales, &s8, &m8);
+    _mm256_storeu_ps(Dv, _mm256_mul_ps(_mm256_set1_ps(d),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)s8)))));
+    const __m128i mv = _mm_cvtsi64_si128((long long)m8);
+    /* each min given twice (both halves of its sub-block of 32) */
+    w->O = _mm512_mul_ps(_mm512_set1_ps(-dmin), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(mv, mv))));
     w->single = false;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i hb = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
