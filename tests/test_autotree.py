@@ -158,3 +158,28 @@ def test_auto_tree_pins_the_family_measured_fastest(tiny_split, tmp_path, monkey
         assert spec == g.generate(PROMPT, max_tokens=24, speculative=False).tokens
     monkeypatch.setenv("BITSPLIT_KERNEL", fams[0])
     assert autotree.candidate_families() == []
+
+
+def test_the_cost_curves_are_kept_per_residual(tiny_f32, tiny_split, tmp_path):
+    """Two splits of one source share their base (the same base.gguf, the same fingerprint) but not
+    their verify passes' cost: the auto tree's cached profile is keyed by the residual too."""
+    from types import SimpleNamespace
+
+    from bitsplit_llama.formats.gguf_file import GGUFFile, fingerprint
+    from bitsplit_llama.formats.split import split_model
+
+    other = tmp_path / "q8"
+    split_model(tiny_f32, other, residual="q8_0", threads=2)
+    fps = []
+    for d in (tiny_split, other):
+        with GGUFFile(d / "base.gguf") as g:
+            fps.append(fingerprint(g))
+    assert fps[0] == fps[1]
+
+    def setup(d):
+        res = SimpleNamespace(residual_path=d / "residual.gguf")
+        return autotree.setup_of(SimpleNamespace(n_gpu_layers=0, fast_drafter=None, rpc=None, residual=res))
+
+    assert setup(tiny_split) == setup(tiny_split)
+    assert setup(tiny_split) != setup(other)
+    assert autotree.cache_path(fps[0], 2, setup(tiny_split)) != autotree.cache_path(fps[1], 2, setup(other))

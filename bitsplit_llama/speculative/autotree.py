@@ -128,10 +128,14 @@ machine_key = _machine_key
 
 def setup_of(sm) -> str:
     """What besides the machine changes a split model's pass times: the native build, GPU layers,
-    the drafter, RPC servers."""
+    the drafter, RPC servers, and the residual itself (splits of one source share their base: a
+    q5_k and a q6_k residual behind the same base.gguf read different bytes per verify pass)."""
+    from ..formats.gguf_file import GGUFFile, fingerprint
     from ..native import build_key
 
-    return (f"{build_key()[0]}|ngl={sm.n_gpu_layers}|native_drafter={sm.fast_drafter}"
+    with GGUFFile(sm.residual.residual_path, role="residual") as rg:
+        residual = fingerprint(rg)[:16]
+    return (f"{build_key()[0]}|ngl={sm.n_gpu_layers}|native_drafter={sm.fast_drafter}|residual={residual}"
             + (f"|rpc={len(sm.rpc)}" if sm.rpc else ""))
 
 
