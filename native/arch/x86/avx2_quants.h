@@ -38,6 +38,15 @@ TGT static inline float h2f(const uint8_t * p) {
 
 INL __m256i srl8(__m256i v, int n) { return _mm256_srli_epi16(v, n); }
 
+/* bit `from` of each byte of v moved to bit `to`, every other bit cleared: one 16-bit shift and
+ * one AND (the bits a 16-bit shift carries across bytes never land on bit `to`, for from, to <= 7).
+ * It takes the K-quants' high-bit planes (Q3_K's hmask, Q5_K's qh) for two operations, where
+ * AND + compare + AND with per-group masks took three and two more to build each mask */
+INL __m256i bit_to(__m256i v, int from, int to) {
+    const __m256i s = from >= to ? _mm256_srli_epi16(v, from - to) : _mm256_slli_epi16(v, to - from);
+    return _mm256_and_si256(s, _mm256_set1_epi8((char)(1u << to)));
+}
+
 /* D[j] = d * s[j], O[j] = z * D[j] for 16 signed byte scales */
 INL void scales16(__m128i v, float d, float z, float * D, float * O) {
     const __m256 dd = _mm256_set1_ps(d), zz = _mm256_set1_ps(z);
@@ -119,10 +128,7 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
             const int n = g >> 2, j = g & 3;
             const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * n));
             const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
-            const __m256i bit = _mm256_set1_epi8((char)(1u << (4 * n + j)));
-            const __m256i hset = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
-            return _mm256_add_epi8(_mm256_and_si256(srl8(q, 2 * j), _mm256_set1_epi8(3)),
-                                   _mm256_and_si256(hset, _mm256_set1_epi8(4)));
+            return _mm256_or_si256(_mm256_and_si256(srl8(q, 2 * j), _mm256_set1_epi8(3)), bit_to(hm, 4 * n + j, 2));
         }
         case T_Q4_K:
         case T_Q5_K: { /* value 64z + l: low nibble of qs[32z + l]; 64z + 32 + l: high nibble */
@@ -130,12 +136,7 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
             const int z = g >> 1, hi = g & 1;
             const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (q5 ? 48 : 16) + 32 * z));
             __m256i u = _mm256_and_si256(hi ? srl8(q, 4) : q, _mm256_set1_epi8(0x0F));
-            if (q5) {
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-                const __m256i bit = _mm256_set1_epi8((char)(1u << g));
-                u = _mm256_add_epi8(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
-                                                        _mm256_set1_epi8(16)));
-            }
+            if (q5) u = _mm256_or_si256(u, bit_to(_mm256_loadu_si256((const __m256i *)(b + 16)), g, 4));
             return u;
         }
         case T_Q6_K: { /* value 128n + 32m + l: nibble of ql[64n + 32(m&1) + l], 2 bits of qh[32n + l] */
@@ -143,8 +144,10 @@ INL __m256i gcodes_u(int t, const uint8_t * b, int g) {
             const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (m & 1)));
             const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
             const __m256i lo = _mm256_and_si256(m >= 2 ? srl8(l, 4) : l, _mm256_set1_epi8(0x0F));
-            const __m256i hb = _mm256_slli_epi16(_mm256_and_si256(srl8(h, 2 * m), _mm256_set1_epi8(3)), 4);
-            return _mm256_or_si256(lo, hb);
+            /* bits 2m, 2m + 1 of h as bits 4, 5: one shift (none for m = 2) and one AND (a 16-bit
+             * shift by at most 4 carries no bit across bytes into bits 4-5) */
+            const __m256i hs = m < 2 ? _mm256_slli_epi16(h, 4 - 2 * m) : m == 2 ? h : _mm256_srli_epi16(h, 2);
+            return _mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x30)));
         }
         case T_Q8_0: /* W = d q = d (u - 128), u = q + 128 */
             return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 34 * g + 2)), _mm256_set1_epi8((char)0x80));
