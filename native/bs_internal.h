@@ -14,6 +14,11 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 
+/* The kernels read GGUF's little-endian blocks with plain loads (e.g. bs_k4_scales_mins). */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "bitsplit's native library supports little-endian targets only (x86-64, AArch64)"
+#endif
+
 #define BS_MAX_THREADS 64
 #define BS_THREAD_MIN_BYTES (512 * 1024) /* weight bytes a pool thread is worth waking for (pool.c) */
 #define BS_ROW_BLOCK 16          /* rows computed together (one AMX tile of outputs) */
@@ -430,7 +435,9 @@ static inline void bs_k4_scale_min(int j, const uint8_t * q, uint8_t * d, uint8_
 
 /* All eight of Q4_K / Q5_K's 6-bit scales and mins at once (bs_k4_scale_min's values for j = 0..7,
  * as bytes 0-7 of *sc and *m), four bytes per 32-bit operation: the scalar loop over j, unrolled,
- * cost a Q5_K residual's unit more than its eight groups' products at one column (measured) */
+ * cost a Q5_K residual's unit more than its eight groups' products at one column (measured).
+ * Byte j of a result is its bits 8j..8j+7 and the 32-bit loads take q[0] as the low byte: this
+ * assumes a little-endian target (x86-64, AArch64; this header refuses a big-endian build). */
 static inline void bs_k4_scales_mins(const uint8_t * q, uint64_t * sc, uint64_t * m) {
     uint32_t a, b, c;
     memcpy(&a, q, 4);
@@ -442,11 +449,8 @@ static inline void bs_k4_scales_mins(const uint8_t * q, uint64_t * sc, uint64_t 
      * that the shift brings in are masked off) */
     const uint32_t s_hi = (c & low4) | ((a >> 2) & bits45), m_hi = ((c >> 4) & low4) | ((b >> 2) & bits45);
     const uint32_t s_lo = a & low6, m_lo = b & low6;
-    uint8_t bs[8], bm[8];
-    memcpy(bs, &s_lo, 4), memcpy(bs + 4, &s_hi, 4);
-    memcpy(bm, &m_lo, 4), memcpy(bm + 4, &m_hi, 4);
-    memcpy(sc, bs, 8);
-    memcpy(m, bm, 8);
+    *sc = s_lo | (uint64_t)s_hi << 32;
+    *m = m_lo | (uint64_t)m_hi << 32;
 }
 
 /* Q3_K's sixteen 6-bit scales, packed in 12 bytes, as signed bytes still offset by 32 */

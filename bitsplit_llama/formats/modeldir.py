@@ -147,6 +147,19 @@ def split_info(model_dir: str | os.PathLike[str]) -> SplitInfo:
         )
 
 
+def residual_keys(res_p: str | os.PathLike[str]) -> dict:
+    """What a residual.gguf says of its split, read with one open: the base fingerprint it was made
+    from, the base and residual types, whether the base was made with an importance matrix, and the
+    residual's own fingerprint (16 hex digits; splits of one source share a base, not a residual)."""
+    with GGUFFile(res_p, role="residual") as rg:
+        kv = rg.kv
+        return {"base_fingerprint": str(kv.get("bitsplit.base_fingerprint", "")),
+                "base_type": str(kv.get("bitsplit.base_type", "") or "") or None,
+                "residual_type": str(kv.get("bitsplit.residual_type", "") or "") or None,
+                "imatrix": bool(kv.get("bitsplit.imatrix")),
+                "residual_fingerprint": fingerprint(rg)[:16]}
+
+
 def _kept_layers(res: GGUFFile, n_layer: int) -> list[int]:
     """The layers the split left whole (none for splits made before it recorded them), each checked:
     a layer of the model, with no tensor in the residual."""

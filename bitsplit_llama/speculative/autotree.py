@@ -126,16 +126,19 @@ def _machine_key(threads: int, setup: str = "") -> str:
 machine_key = _machine_key
 
 
-def setup_of(sm) -> str:
+def setup_of(sm, residual_fingerprint: str | None = None) -> str:
     """What besides the machine changes a split model's pass times: the native build, GPU layers,
     the drafter, RPC servers, and the residual itself (splits of one source share their base: a
-    q5_k and a q6_k residual behind the same base.gguf read different bytes per verify pass)."""
-    from ..formats.gguf_file import GGUFFile, fingerprint
+    q5_k and a q6_k residual behind the same base.gguf read different bytes per verify pass).
+    ``residual_fingerprint`` is :func:`~bitsplit_llama.formats.modeldir.residual_keys`'s, read here
+    when the caller has not."""
     from ..native import build_key
 
-    with GGUFFile(sm.residual.residual_path, role="residual") as rg:
-        residual = fingerprint(rg)[:16]
-    return (f"{build_key()[0]}|ngl={sm.n_gpu_layers}|native_drafter={sm.fast_drafter}|residual={residual}"
+    if residual_fingerprint is None:
+        from ..formats.modeldir import residual_keys
+
+        residual_fingerprint = residual_keys(sm.residual.residual_path)["residual_fingerprint"]
+    return (f"{build_key()[0]}|ngl={sm.n_gpu_layers}|native_drafter={sm.fast_drafter}|residual={residual_fingerprint}"
             + (f"|rpc={len(sm.rpc)}" if sm.rpc else ""))
 
 

@@ -74,12 +74,12 @@ class Generator:
                              rpc_timeout=rpc_timeout, overlap=overlap)
         self.auto_choice = None
         if auto:
-            from ..formats.gguf_file import GGUFFile
+            from ..formats.modeldir import residual_keys
             from . import autotree
 
-            with GGUFFile(self.sm.residual.residual_path, role="residual") as rg:
-                fp = str(rg.kv.get("bitsplit.base_fingerprint", ""))
-            setup = autotree.setup_of(self.sm)
+            keys = residual_keys(self.sm.residual.residual_path)
+            fp = keys["base_fingerprint"]
+            setup = autotree.setup_of(self.sm, keys["residual_fingerprint"])
             key = autotree.machine_key(self.sm.ctx.n_threads, setup)
             prof = None
             prefer = None  # rows -> the policy's family: the cost curves price the family the run pins

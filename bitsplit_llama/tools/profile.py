@@ -40,18 +40,12 @@ def parse_nodes(text: str) -> list[int]:
 
 
 def _split_keys(split: Path) -> dict:
-    """The split's base fingerprint, base type, residual type and whether its base was made with an
-    importance matrix (residual.gguf's metadata)."""
-    from ..formats.gguf_file import GGUFFile
-    from ..formats.modeldir import validate_split
+    """The split's base fingerprint, base type, residual type, whether its base was made with an
+    importance matrix and the residual's fingerprint (residual.gguf's metadata), once validated."""
+    from ..formats.modeldir import residual_keys, validate_split
 
     _, res_p = validate_split(split)
-    with GGUFFile(res_p, role="residual") as rg:
-        kv = rg.kv
-        return {"base_fingerprint": str(kv.get("bitsplit.base_fingerprint", "")),
-                "base_type": str(kv.get("bitsplit.base_type", "") or "") or None,
-                "residual_type": str(kv.get("bitsplit.residual_type", "") or "") or None,
-                "imatrix": bool(kv.get("bitsplit.imatrix"))}
+    return residual_keys(res_p)
 
 
 def profile_base_type(prof: dict, path: str | os.PathLike[str] | None = None) -> str | None:
@@ -121,7 +115,7 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
             say(f"[{time.monotonic() - t_start:5.0f}s] {shape.nodes:3d} nodes: {row['tokens_per_verify']:.2f} tokens/verify, "
                 f"{row['ms_per_verify']:.0f} ms per verify pass, {row['ms_drafting_per_cycle']:.0f} ms drafting, "
                 f"{row['tokens_per_second']:.2f} tokens/s")
-        setup = autotree.setup_of(sm)
+        setup = autotree.setup_of(sm, keys["residual_fingerprint"])
         machine = autotree.machine_key(sm.ctx.n_threads, setup)
     finally:
         sm.close()

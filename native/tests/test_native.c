@@ -2248,8 +2248,6 @@ static void test_thread_sizing(const model * m) {
     bitsplit_ctx_free(ctx);
 }
 
-/* The importance-matrix collector on hand-made products: what it asks for, its sums and counts
- * against a plain computation, copy names, bad activations, shape mismatches and expert ids. */
 /* bs_k4_scales_mins (all of Q4_K / Q5_K's scales and mins at once, which the integer families
  * take) against bs_k4_scale_min (one index, the reference layout): every value of each of the 12
  * bytes with the others random, and random blocks */
@@ -2274,6 +2272,8 @@ static void test_k4_scales(void) {
     CHECK(bad == 0, "bs_k4_scales_mins differs from bs_k4_scale_min in %ld values", bad);
 }
 
+/* The importance-matrix collector on hand-made products: what it asks for, its sums and counts
+ * against a plain computation, copy names, bad activations, shape mismatches and expert ids. */
 static void test_imatrix(void) {
     enum { K = 40, N = 6, ROWS = 20, E = 3, NUSED = 2 };
     struct ggml_init_params ip = {.mem_size = 32 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
