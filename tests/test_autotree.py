@@ -93,6 +93,27 @@ def test_auto_trees_fill_small_contexts_with_the_verifiers_tokens(tiny_split, tm
         assert spec.tokens == plain.tokens and spec.stats.n_verify < len(spec.tokens)
 
 
+def test_a_calibration_on_a_busy_machine_is_not_kept(tiny_split, tmp_path, monkeypatch):
+    """A drafting pass slower than a verify pass (which reads more) means other work had the cores:
+    that profile serves its run and is not cached; a sound one is."""
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path))
+    sound = autotree.Profile({b: 50.0 + b for b in autotree.VERIFY_BATCHES}, {1: 20.0, 2: 30.0, 4: 45.0},
+                             [0.6, 0.1, 0.05, 0.05], 52.0)
+    assert autotree.busy_sign(sound) == ""
+    busy = autotree.Profile(dict(sound.verify_ms), {1: 2300.0, 2: 30.0, 4: 45.0}, sound.rank_probs, 52.0)
+    assert "1-row drafting pass took 2300 ms" in autotree.busy_sign(busy) and "2-row verify pass (52 ms)" in autotree.busy_sign(busy)
+    # the 4-row drafting pass against the 4-row verify pass; tiny passes' jitter is not a sign
+    assert "4-row" in autotree.busy_sign(autotree.Profile(sound.verify_ms, {1: 20.0, 4: 90.0}, [0.5], 52.0))
+    assert autotree.busy_sign(autotree.Profile({2: 1.0, 4: 1.2}, {1: 3.0, 4: 5.0}, [0.5], 1.0)) == ""
+    for prof, kept in ((busy, False), (sound, True)):
+        monkeypatch.setattr(autotree, "measure", lambda *a, **k: prof)
+        said = []
+        with Generator(tiny_split, n_ctx=256, tree_nodes="auto", log=said.append):
+            pass
+        assert bool(list((tmp_path / "autotree").glob("*.json"))) == kept
+        assert any("was busy" in s and "not cached" in s for s in said) != kept
+
+
 @pytest.mark.parametrize("n_ctx", [256, 17])
 def test_fixed_trees_reach_the_end_of_the_context(tiny_split, n_ctx):
     """A context of 256 positions gets exactly 256 cells from llama.cpp: without cells reserved for

@@ -55,6 +55,13 @@ CALIBRATION_N_CTX = 256 - n_seq_max_for(CALIBRATION_SHAPE)
 # a family measured faster than the kernel policy's by less than this share does not displace it
 FAMILY_TIE = 0.05
 
+# A drafting pass reads a part of what a verify pass of as many rows reads (the base alone, without
+# the residual): one slower than that verify pass by both this factor and BUSY_MS means something
+# else had the cores during the calibration (one taken while a compiler ran timed a 1-row drafting
+# pass at 2.3 s and chose plain decoding, 0.53x stock Q8_0 against 0.67-0.69x; measured on a Zen 4)
+BUSY_FACTOR = 1.25
+BUSY_MS = 10.0
+
 
 @dataclass
 class Profile:
@@ -287,10 +294,23 @@ def candidate_families() -> list[str]:
     return fast if len(fast) > 1 else []
 
 
+def busy_sign(prof: Profile) -> str:
+    """Why ``prof``'s times cannot be this machine's own ('' where they can): a drafting pass of
+    ``b`` rows slower than the verify pass of ``max(b, 2)`` rows, which reads more."""
+    for b, d in sorted(prof.draft_ms.items()):
+        rows = max(b, 2)
+        v = prof.verify_ms.get(rows)
+        if v is not None and d > BUSY_FACTOR * v and d - v > BUSY_MS:
+            return (f"a {b}-row drafting pass took {d:.0f} ms, longer than a {rows}-row verify pass "
+                    f"({v:.0f} ms), which reads more")
+    return ""
+
+
 def load_or_measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Callable[[int], bool] | None,
                     fingerprint: str, threads: int, log: Callable[[str], None] | None = None,
                     setup: str = "") -> Profile:
-    """The cached profile of this model, machine and setup, else :func:`measure` (and cache it)."""
+    """The cached profile of this model, machine and setup, else :func:`measure` (and cache it, unless
+    :func:`busy_sign` finds the machine was busy)."""
     path = cache_path(fingerprint, threads, setup)
     if path.exists():
         try:
@@ -303,6 +323,12 @@ def load_or_measure(engine: Engine, tokenize: Callable[[str], list[int]], is_sto
     if log:
         log("--tree-nodes auto: measuring this machine and model once (cached in " + str(path.parent) + ")")
     prof = measure(engine, tokenize, is_stop, log)
+    busy = busy_sign(prof)
+    if busy:  # used for this run only: cached, it would stand for good
+        if log:
+            log(f"--tree-nodes auto: the machine was busy during the measurement ({busy}); "
+                "not cached, the next run measures again")
+        return prof
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
