@@ -108,7 +108,7 @@ typedef struct bs_kernel_family {
 } bs_kernel_family;
 
 /* kernels.c: the kernel policy, the one place that decides which family computes a product */
-#define BS_MAX_FAMILIES 8
+#define BS_MAX_FAMILIES 12
 #define BS_SMALL_BATCH 6         /* up to here the per-column kernels come first (each to its max_cols) */
 #define BS_DECODE_COLS 32        /* a pinned family serves passes up to this many columns */
 #define BS_PROMPT_COLS 64        /* a prompt's passes take the policy's family for this many columns */

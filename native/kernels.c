@@ -150,6 +150,7 @@ extern const bs_kernel_family bs_family_amx_bf16;
 extern const bs_kernel_family bs_family_avx2_f32;    /* arch/x86/kernels_avx2.c */
 extern const bs_kernel_family bs_family_avx2_int16;  /* arch/x86/kernels_avx2_int.c */
 extern const bs_kernel_family bs_family_avxvnni_int16; /* arch/x86/kernels_avxvnni_int.c (the same source) */
+extern const bs_kernel_family bs_family_avx512vnni_int16; /* arch/x86/kernels_avx512vnni_int.c (again) */
 #endif
 #if defined(__aarch64__)
 extern const bs_kernel_family bs_family_neon_f32;    /* arch/arm/kernels_neon.c */
@@ -169,8 +170,8 @@ extern const bs_kernel_family bs_family_neon_int16;  /* arch/arm/kernels_neon_in
  * ahead of avx2-f32 to 32 columns. */
 static const bs_kernel_family * const order_small[] = {
 #if defined(__x86_64__)
-    &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avxvnni_int16, &bs_family_avx2_int16,
-    &bs_family_avx2_f32,
+    &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx512vnni_int16,
+    &bs_family_avxvnni_int16, &bs_family_avx2_int16, &bs_family_avx2_f32,
 #endif
 #if defined(__aarch64__)
     &bs_family_neon_int16, &bs_family_neon_f32,
@@ -179,8 +180,8 @@ static const bs_kernel_family * const order_small[] = {
 };
 static const bs_kernel_family * const order_large[] = {
 #if defined(__x86_64__)
-    &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32, &bs_family_vnni_int24, &bs_family_avxvnni_int16,
-    &bs_family_avx2_int16,
+    &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32, &bs_family_vnni_int24,
+    &bs_family_avx512vnni_int16, &bs_family_avxvnni_int16, &bs_family_avx2_int16,
 #endif
 #if defined(__aarch64__)
     &bs_family_neon_f32, &bs_family_neon_int16,
@@ -213,21 +214,28 @@ static const bs_kernel_family * const order_large[] = {
  * 256-bit integer family comes first for small batches (W2 + R to HR_INT16_MAX columns, R alone to
  * HR_INT16_ALONE_MAX), then vnni-int24 for W2 + R to HR_VNNI_MAX (5-10 columns: 4-14% ahead of the
  * next; --tree-nodes auto's calibration found the same), avx2-f32 to HR_F32_MAX (an earlier run had
- * avx512-bf16 7% ahead at 16: the two are close from 16 to 32), avx512-bf16 above.
+ * avx512-bf16 7% ahead at 16: the two are close from 16 to 32), avx512-bf16 above. Before them all
+ * avx512vnni-int16 (avx2-int16's integers with EVEX's 32 registers: one decoding of a row serves 4
+ * columns): W2 + R to HR_INT16W_MAX (time against avx2-int16 0.98 / 0.91 / 0.72 / 0.69 / 0.82 / 0.80
+ * / 0.88 at 1 / 2 / 3 / 4 / 5 / 6 / 8 columns, python bench/native_ab.py, 7 rounds: about 290 ms at
+ * 6, level with vnni-int24 and avx2-f32 above), R alone to HR_INT16W_ALONE_MAX (0.97 / 1.00 / 0.93 /
+ * 0.98 / 1.12 at 1 / 2 / 4 / 8 / 16: the same pairs of columns as avx2-int16).
  * BITSPLIT_HALF_RATE_512=1 / 0 forces this order on or off (a CPU this test misjudges: a Zen 5 with
  * a 256-bit data path, say). */
 #define HR_INT16_MAX 4
 #define HR_INT16_ALONE_MAX 16
+#define HR_INT16W_MAX 6       /* avx512vnni-int16: W2 + R to 6 columns, R alone to 8 (below) */
+#define HR_INT16W_ALONE_MAX 8
 #define HR_VNNI_MAX 10
 #define HR_F32_MAX 16
 #if defined(__x86_64__)
 static const bs_kernel_family * const order_small_hr[] = {
-    &bs_family_avxvnni_int16, &bs_family_avx2_int16, &bs_family_vnni_int24, &bs_family_amx_bf16, &bs_family_avx512_bf16,
-    &bs_family_avx2_f32, &generic_family,
+    &bs_family_avx512vnni_int16, &bs_family_avxvnni_int16, &bs_family_avx2_int16, &bs_family_vnni_int24,
+    &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32, &generic_family,
 };
 static const bs_kernel_family * const order_large_hr[] = {
-    &bs_family_amx_bf16, &bs_family_vnni_int24, &bs_family_avx2_f32, &bs_family_avx512_bf16, &bs_family_avxvnni_int16,
-    &bs_family_avx2_int16, &generic_family,
+    &bs_family_amx_bf16, &bs_family_vnni_int24, &bs_family_avx2_f32, &bs_family_avx512_bf16,
+    &bs_family_avx512vnni_int16, &bs_family_avxvnni_int16, &bs_family_avx2_int16, &generic_family,
 };
 _Static_assert(sizeof(order_small_hr) == sizeof(order_small) && sizeof(order_large_hr) == sizeof(order_small),
                "the half-rate orders hold every family");
@@ -338,6 +346,7 @@ static int col_limit(const bs_kernel_family * f, bool alone, bool hr) {
 #if defined(__x86_64__)
     if (hr) {
         if (f == &bs_family_avx2_int16 || f == &bs_family_avxvnni_int16) return alone ? HR_INT16_ALONE_MAX : HR_INT16_MAX;
+        if (f == &bs_family_avx512vnni_int16) return alone ? HR_INT16W_ALONE_MAX : HR_INT16W_MAX;
         if (f == &bs_family_vnni_int24) return HR_VNNI_MAX;
         if (f == &bs_family_avx2_f32) return HR_F32_MAX;
     }
@@ -400,8 +409,14 @@ const bs_kernel_family * bs_precise_policy(int64_t n_cols, const bs_job * job) {
 const bs_kernel_family * bs_draft_policy(const bs_job * job) {
     int cap;
     bs_isa_cap(&cap);
+    /* where 512-bit operations run at half rate, the 256-bit families draft first too (on a Zen 4,
+     * avx512vnni-int16's drafting passes of 2 / 3 / 4 rows took 0.75 / 0.78 / 0.80 of vnni-int24's) */
+    const bs_kernel_family * const * order = order_small;
+#if defined(__x86_64__)
+    if (half_rate_in_force(cap)) order = order_small_hr;
+#endif
     for (size_t i = 0; i < N_FAMILIES; i++) {
-        const bs_kernel_family * f = order_small[i];
+        const bs_kernel_family * f = order[i];
         if (f->draft_min_cols > 0 && usable(f, cap) && (job == NULL || (job->n_cols >= f->draft_min_cols &&
                                                                        f->supports(job)))) {
             return f;

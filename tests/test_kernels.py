@@ -28,7 +28,7 @@ HERE = policy.families()
 # weights and activations to 8-bit mantissas; avx2-int16 is held to 1e-5 against the product of its
 # own activation rounding (ACT_BITS: 16 bits for the base, the high digit's 8 for the residual) and
 # to that rounding's bound against the exact one
-TOL = {"vnni-int24": 1e-5, "avx2-int16": 1e-5, "avxvnni-int16": 1e-5, "neon-int16": 1e-5, "avx2-f32": 1e-5, "neon-f32": 1e-5,
+TOL = {"vnni-int24": 1e-5, "avx2-int16": 1e-5, "avxvnni-int16": 1e-5, "avx512vnni-int16": 1e-5, "neon-int16": 1e-5, "avx2-f32": 1e-5, "neon-f32": 1e-5,
        "amx-bf16": 1e-2, "avx512-bf16": 1e-2,
        "generic": 1e-2}
 
@@ -36,9 +36,9 @@ TOL = {"vnni-int24": 1e-5, "avx2-int16": 1e-5, "avxvnni-int16": 1e-5, "neon-int1
 # families that round activations to integers per block: the largest integer (x ~ s X, |X| <= it,
 # s = the block's max|x| / it), blocks of 256 values where a 256-superblock type is in the product,
 # else of 32
-ACT_BITS = {"avx2-int16": 32512, "avxvnni-int16": 32512, "neon-int16": 32512}
+ACT_BITS = {"avx2-int16": 32512, "avxvnni-int16": 32512, "avx512vnni-int16": 32512, "neon-int16": 32512}
 # families that use the weights as they are (integer or f32 arithmetic), not rounded to bf16
-EXACT_WEIGHTS = {"vnni-int24", "avx2-int16", "avxvnni-int16", "neon-int16", "avx2-f32", "neon-f32"}
+EXACT_WEIGHTS = {"vnni-int24", "avx2-int16", "avxvnni-int16", "avx512vnni-int16", "neon-int16", "avx2-f32", "neon-f32"}
 SUPERBLOCK_TYPES = {10, 11, 12, 13, 14}  # Q2_K .. Q6_K
 
 
@@ -287,12 +287,14 @@ def test_tile_families_compute_every_residual_type(type_splits, fam):
                     assert res.family_of("blk.0.ffn_down.weight", n, with_base) == fam, (key, n, with_base)
 
 
-def test_avxvnni_int16_is_avx2_int16_bit_for_bit(tiny_split, type_splits):
-    """The AVX-VNNI family computes avx2-int16's integers with other instructions (Q2_K's scales
-    folded into its codes, vpdpbusd/vpdpwssd), in the same floating-point order: every product of
-    every type, with and without the base, is the same bits."""
-    for fam in ("avxvnni-int16", "avx2-int16"):
-        _runs_here(fam)
+@pytest.mark.parametrize("fam", ["avxvnni-int16", "avx512vnni-int16"])
+def test_vnni_int16_families_are_avx2_int16_bit_for_bit(tiny_split, type_splits, fam):
+    """The VNNI families compute avx2-int16's integers with other instructions (Q2_K's scales folded
+    into its codes, vpdpbusd/vpdpwssd; avx512vnni-int16 in their EVEX form, one decoding of a row
+    serving up to 4 columns), in the same floating-point order: every product of every type, with
+    and without the base, at every batch size (1 to 9: sets of 4, 3, 2 and 1 columns), is the same bits."""
+    for f in (fam, "avx2-int16"):
+        _runs_here(f)
     names = ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight")
     for split in (tiny_split, *type_splits.values()):
         with Residual(split) as res:
@@ -302,10 +304,11 @@ def test_avxvnni_int16_is_avx2_int16_bit_for_bit(tiny_split, type_splits):
                 x = np.random.default_rng(11).standard_normal((9, k)).astype(np.float32)
                 x[:, 5] *= 40.0
                 got = {}
-                for fam in ("avxvnni-int16", "avx2-int16"):
-                    assert res.set_kernel(fam) == fam
-                    got[fam] = [res.matmul(name, x[:n], with_base=wb) for n in (1, 2, 3, 7, 9) for wb in (True, False)]
-                for a, b in zip(got["avxvnni-int16"], got["avx2-int16"]):
+                for f in (fam, "avx2-int16"):
+                    assert res.set_kernel(f) == f
+                    got[f] = [res.matmul(name, x[:n], with_base=wb) for n in (1, 2, 3, 4, 5, 6, 7, 9)
+                              for wb in (True, False)]
+                for a, b in zip(got[fam], got["avx2-int16"]):
                     assert np.array_equal(a, b), (split.name, name)
             assert res.counters().n_errors == 0
 
@@ -334,6 +337,11 @@ def test_every_family_this_cpu_runs_is_offered():
             assert "avxvnni-int16" in HERE
         if "avx_vnni" not in flags:
             assert "avxvnni-int16" not in HERE
+        evex_vnni = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"} <= set(flags)
+        if evex_vnni and policy.max_isa() in ("avx512", "amx"):
+            assert "avx512vnni-int16" in HERE
+        if not evex_vnni:
+            assert "avx512vnni-int16" not in HERE
     if sys.platform == "linux" and os.uname().machine == "aarch64" and policy.max_isa() != "generic":
         feats = open("/proc/cpuinfo").read().split("Features")[1].split("\n")[0].split()
         assert "neon-f32" in HERE  # Advanced SIMD: every AArch64 CPU
@@ -358,7 +366,7 @@ def test_isa_cap_limits_the_families(cap):
     if cap == "generic":
         assert fams == ["generic"] and drafter is None
     if cap in ("generic", "avx2", "avxvnni"):
-        assert not {"vnni-int24", "amx-bf16", "avx512-bf16"} & set(fams)
+        assert not {"vnni-int24", "amx-bf16", "avx512-bf16", "avx512vnni-int16"} & set(fams)
         # on AVX2 the integer family drafts too (from its measured smallest batch); nothing on NEON yet
         int16 = [f for f in fams if f in ("avxvnni-int16", "avx2-int16")]
         assert drafter == (int16[0] if int16 else None)
@@ -386,20 +394,22 @@ def test_avx2_policy_by_batch():
     assert alone == ["avx2-int16"] * 7 + ["avx2-f32"] * 3
 
 
-def _policy_table(env_extra: dict, batches) -> tuple[bool, list, list, list]:
+def _policy_table(env_extra: dict, batches) -> tuple[bool, list, list, list, str | None]:
     code = "import json; from bitsplit_llama.native import policy; " \
-           f"print(json.dumps([policy.half_rate_512(), policy.families(), " \
+           f"print(json.dumps([policy.half_rate_512(), policy.families(), policy.draft_kernel(), " \
            f"*[[policy.kernel_for_batch(b, a) for b in {tuple(batches)!r}] for a in (False, True)]]))"
     env = {**os.environ, **env_extra}
     env.pop("BITSPLIT_KERNEL", None)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    return tuple(json.loads(p.stdout.strip().splitlines()[-1]))
+    hr, fams, drafter, with_base, alone = json.loads(p.stdout.strip().splitlines()[-1])
+    return hr, fams, with_base, alone, drafter
 
 
 def test_half_rate_512_order():
     """Where 512-bit operations run at half rate (AMD Zen 4, or BITSPLIT_HALF_RATE_512=1), the
-    256-bit integer family takes W2 + R to 4 columns and R alone to 16, vnni-int24 W2 + R from 5 to
+    256-bit integer family takes W2 + R to 4 columns and R alone to 16 (avx512vnni-int16, where it
+    runs: W2 + R to 6, R alone to 8, then the other's R alone to 16), vnni-int24 W2 + R from 5 (7) to
     10 columns, avx2-f32 to 16, and an AVX-512 family the rest; =0 gives the built-in order, and under an AVX2
     cap the forced order changes nothing (no AVX-512 family to put behind). Testable on every x86
     CPU: the override stands in for the CPUID test."""
@@ -411,21 +421,30 @@ def test_half_rate_512_order():
             _policy_table({"BITSPLIT_HALF_RATE_512": "0", "BITSPLIT_MAX_ISA": cap}, batches)
         assert on[0] is False and off[0] is False
         assert on[1:] == off[1:], cap
-    hr, fams, with_base, alone = _policy_table({"BITSPLIT_HALF_RATE_512": "1", "BITSPLIT_MAX_ISA": "amx"}, batches)
+    hr, fams, with_base, alone, drafter = _policy_table({"BITSPLIT_HALF_RATE_512": "1", "BITSPLIT_MAX_ISA": "amx"}, batches)
     wide = [f for f in ("amx-bf16", "avx512-bf16") if f in fams]
     if not wide:  # no AVX-512 family here: nothing to reorder, the override changes nothing
         assert hr is False
-        assert (hr, fams, with_base, alone) == _policy_table({"BITSPLIT_HALF_RATE_512": "0",
+        assert (hr, fams, with_base, alone, drafter) == _policy_table({"BITSPLIT_HALF_RATE_512": "0",
                                                               "BITSPLIT_MAX_ISA": "amx"}, batches)
         return
     assert hr is True
     int16 = "avxvnni-int16" if "avxvnni-int16" in fams else "avx2-int16"
-    assert fams[0] == int16
     mid = "vnni-int24" if "vnni-int24" in fams else "avx2-f32"
-    assert with_base == [int16] * 3 + [mid] * 4 + ["avx2-f32"] * 2 + [wide[0]] * 3
-    assert alone == [int16] * 9 + [wide[0]] * 3
-    _, _, with_base0, alone0 = _policy_table({"BITSPLIT_HALF_RATE_512": "0", "BITSPLIT_MAX_ISA": "amx"}, batches)
-    assert with_base0[0] != int16 and alone0[0] != int16  # the built-in order: an AVX-512 family first
+    if "avx512vnni-int16" in fams:  # 1, 2, 4, 5, 6 columns; R alone to 8 (7), then the other to 16
+        first = "avx512vnni-int16"
+        assert with_base == [first] * 5 + [mid] * 2 + ["avx2-f32"] * 2 + [wide[0]] * 3
+        assert alone == [first] * 6 + [int16] * 3 + [wide[0]] * 3
+    else:
+        first = int16
+        assert with_base == [int16] * 3 + [mid] * 4 + ["avx2-f32"] * 2 + [wide[0]] * 3
+        assert alone == [int16] * 9 + [wide[0]] * 3
+    assert fams[0] == first
+    # the drafter takes the same order: the first family that drafts (vnni-int24 in the built-in one)
+    assert drafter == next(f for f in fams if f in ("avx512vnni-int16", "avxvnni-int16", "avx2-int16", "vnni-int24"))
+    _, _, with_base0, alone0, drafter0 = _policy_table({"BITSPLIT_HALF_RATE_512": "0", "BITSPLIT_MAX_ISA": "amx"}, batches)
+    assert with_base0[0] != first and alone0[0] != first  # the built-in order: an AVX-512 family first
+    assert drafter0 == next(f for f in ("vnni-int24", "avx512vnni-int16", "avxvnni-int16", "avx2-int16") if f in fams)
     # here, as the suite runs: the CPUID test (or the override), where an AVX-512 family runs
     env_hr = os.environ.get("BITSPLIT_HALF_RATE_512")
     trait = env_hr == "1" if env_hr in ("0", "1") else _cpu_is_zen4()

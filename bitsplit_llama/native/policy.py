@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from .build import load
 
-# Every family the library has, on some architecture (x86-64: the first six and generic; AArch64:
+# Every family the library has, on some architecture (x86-64: the first seven and generic; AArch64:
 # neon-int16 where the CPU has the dot product, neon-f32 and generic). What runs here is families().
-ALL_FAMILIES = ("vnni-int24", "amx-bf16", "avx512-bf16", "avxvnni-int16", "avx2-int16", "avx2-f32", "neon-int16",
-                "neon-f32", "generic")
+ALL_FAMILIES = ("vnni-int24", "amx-bf16", "avx512-bf16", "avx512vnni-int16", "avxvnni-int16", "avx2-int16", "avx2-f32",
+                "neon-int16", "neon-f32", "generic")
 # The values BITSPLIT_MAX_ISA accepts, lowest first (avx2 and neon are the same level).
 ISA_LEVELS = ("generic", "avx2", "neon", "avxvnni", "avx512", "amx")
 

@@ -2,7 +2,9 @@
  * The AVX2 integer family ("avx2-int16"): exact integer weights times 16-bit integer activations,
  * for the AVX2 CPUs without AVX-512 (Zen 2/3, Intel Haswell to 14th gen client) at the batch
  * sizes of decoding and verification, where avx2-f32 spends more instructions unpacking weights to
- * f32 than the memory takes to deliver them.
+ * f32 than the memory takes to deliver them. This source is compiled again as "avxvnni-int16"
+ * (BS_INT16_VNNI: VEX vpdpbusd / vpdpwssd) and as "avx512vnni-int16" (BS_INT16_EVEX as well: the
+ * same in EVEX form, with AVX-512's 32 registers), each with these results bit for bit.
  *
  * Activations: each column is cut into blocks of QA values (256 where a superblock type is in the
  * product, else 32); a block is scaled by s = max|x| / 32512 and rounded to integers X, |X| <=
@@ -26,8 +28,8 @@
  * in the per-half scaling and the offsets (sums of 16 X, per unit), always in the same order, so a
  * column's result never depends on the rest of the batch.
  *
- * Memory: one row at a time. Up to FUSED_COLS columns, each pair of columns runs over the whole
- * row, decoding each unit in registers and applying it to both, the pair's totals in registers
+ * Memory: one row at a time. Up to FUSED_COLS columns, each pair of columns (with AVX-512's 32
+ * registers and the base in the product, each set of up to 4: FUSED_WIDE) runs over the whole row, decoding each unit in registers and applying it to both, the pair's totals in registers
  * (the row's blocks are in L1/L2 after the first pair, which prefetches them and keeps each
  * unit's decoded scales for the others); above that, each unit is decoded once into an L1 buffer
  * and applied to every column. Each weight block is read from memory once per product.
@@ -42,8 +44,14 @@
 #include "bitsplit.h"
 #include "bs_internal.h"
 
-#ifdef BS_INT16_VNNI /* compiled a second time as the AVX-VNNI family (kernels_avxvnni_int.c) */
+#if defined(BS_INT16_EVEX) /* compiled a third time as the AVX512-VNNI family (kernels_avx512vnni_int.c) */
+#define TGT __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define DPBUSD _mm256_dpbusd_epi32 /* EVEX, 256 bits */
+#define DPWSSD _mm256_dpwssd_epi32
+#elif defined(BS_INT16_VNNI) /* compiled a second time as the AVX-VNNI family (kernels_avxvnni_int.c) */
 #define TGT __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define DPBUSD _mm256_dpbusd_avx_epi32 /* VEX */
+#define DPWSSD _mm256_dpwssd_avx_epi32
 #else
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #endif
@@ -53,6 +61,17 @@
 #include "prefetch.h"
 
 #define FUSED_COLS 6   /* up to here each pair of columns decodes the row again, in registers */
+/* The most columns one decoding of a row serves in registers, base and residual in the product:
+ * with AVX-512's 32 vector registers, 4 (each column's 4 running sums stay in registers); with
+ * AVX2's 16, 2 (4 columns at once spilled: time 0.97-1.03 of pairs at 2-6 columns, measured on a
+ * 2-core Zen 4). On that Zen 4 (python bench/native_ab.py, Qwen2.5-Coder-1.5B q6_k split, W2 + R,
+ * avx512vnni-int16 against avx2-int16, one process, 7 rounds) time 0.98 / 0.91 / 0.72 / 0.69 /
+ * 0.82 / 0.80 / 0.88 at 1 / 2 / 3 / 4 / 5 / 6 / 8 columns. */
+#ifdef BS_INT16_EVEX
+#define FUSED_WIDE 4
+#else
+#define FUSED_WIDE 2
+#endif
 
 /* the same jobs avx2-f32 takes (the types a split holds, rows a multiple of their block) */
 static bool int16_supports(const bs_job * job) { return bs_f32_family_supports(job); }
@@ -220,8 +239,8 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
          * R.x at one column 1.19x slower so, measured on a Zen 5) */
         if (t == T_Q2_K) {
             /* one chain per digit: two (even and odd groups) measured 2-5% slower (registers) */
-            a->il = _mm256_dpbusd_avx_epi32(a->il, u, e0);
-            if (!coarse) a->ih = _mm256_dpbusd_avx_epi32(a->ih, u, _mm256_loadu_si256((const __m256i *)d1));
+            a->il = DPBUSD(a->il, u, e0);
+            if (!coarse) a->ih = DPBUSD(a->ih, u, _mm256_loadu_si256((const __m256i *)d1));
             __asm__("" : "+x"(a->il), "+x"(a->ih));
             return;
         }
@@ -237,7 +256,7 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
         return;
     }
 #ifdef BS_INT16_VNNI
-    __m256i p = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, e0); /* = vpmaddubsw's pairs summed: none saturates */
+    __m256i p = DPBUSD(_mm256_setzero_si256(), u, e0); /* = vpmaddubsw's pairs summed: none saturates */
 #else
     __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, e0), _mm256_set1_epi16(1));
 #endif
@@ -246,7 +265,7 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
         if (t == T_Q8_0) e1 = _mm256_sign_epi8(e1, q);
         /* 255 p1 + p0: exact in int32 and in f32 (|p| <= 256 * 4*128*127 < 2^24) */
 #ifdef BS_INT16_VNNI
-        p = _mm256_dpwssd_avx_epi32(p, _mm256_maddubs_epi16(u, e1), _mm256_set1_epi16(255));
+        p = DPWSSD(p, _mm256_maddubs_epi16(u, e1), _mm256_set1_epi16(255));
 #else
         p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(u, e1), _mm256_set1_epi16(255)));
 #endif
@@ -337,13 +356,13 @@ INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m
     }
 }
 
-/* One unit applied to columns c0 .. c0 + ncb - 1 (ncb = 1 or 2, a constant where inlined), each
+/* One unit applied to columns c0 .. c0 + ncb - 1 (ncb = 1 to FUSED_WIDE, a constant where inlined), each
  * group decoded in registers and applied to every column at once; h0 / h1: whether the residual
  * takes columns c0 / c0 + 1's high digit alone (constants: fused_unit chooses the body). */
 INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr,
                          unit_sc * hb, unit_sc * hr, const colp * a, int ncb, __m256 * tot, bool coarse,
                          bool h0, bool h1) {
-    sums ab[2], ar[2];
+    sums ab[FUSED_WIDE], ar[FUSED_WIDE];
     for (int j = 0; j < ncb; j++) {
         sums_init(&ab[j]);
         sums_init(&ar[j]);
@@ -381,8 +400,9 @@ INL bool r_alone_hi(int bt, int rt, bool coarse, const colp * a) {
 INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
                     const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb, unit_sc * hr, int64_t k0, int64_t c0,
                     int ncb, __m256 * tot, bool coarse) {
-    colp a[2];
+    colp a[FUSED_WIDE];
     for (int j = 0; j < ncb; j++) a[j] = col_at(job, cb, c0 + j, k0, qa);
+    /* (more than 2 columns at once only with the base in the product, where neither applies) */
     const bool h0 = r_alone_hi(bt, rt, coarse, &a[0]), h1 = ncb == 2 && r_alone_hi(bt, rt, coarse, &a[1]);
     if (h0 && h1) {
         fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true);
@@ -395,7 +415,7 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
     }
 }
 
-/* columns c .. c + ncb - 1 (ncb = 1 or 2, a constant where inlined) of row r, unit after unit over
+/* columns c .. c + ncb - 1 (ncb = 1 to FUSED_WIDE, a constant where inlined) of row r, unit after unit over
  * the whole row: the pair's totals are locals, in registers across the units. The first pair
  * (c = 0) prefetches the row and decodes each unit's scales into scb / scr (one per unit of the
  * row), which the other pairs read back */
@@ -407,7 +427,8 @@ INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, i
     const int ng = qa / 32;
     const size_t cb = int16_col_bytes(job);
     const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
-    __m256 pt[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 pt[FUSED_WIDE];
+    for (int j = 0; j < FUSED_WIDE; j++) pt[j] = _mm256_setzero_ps();
     bool first = c == 0;
     for (int64_t k0 = 0; k0 < K; k0 += qa) {
         const int64_t t = k0 / qa;
@@ -475,15 +496,26 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
         const uint8_t * bend = bt != T_NONE ? job->w2 + (size_t)r1 * job->w2_row_bytes : NULL;
         const uint8_t * rend = rt != T_NONE ? job->r + (size_t)r1 * job->r_row_bytes : NULL;
         if (nc <= FUSED_COLS) {
-            /* straight from registers, two columns at a time, each pair over the whole row (the
-             * row's blocks are in L1/L2 after the first pair): the pair's totals are locals, kept
+            /* straight from registers, two (FUSED_WIDE) columns at a time, each set over the whole
+             * row (the row's blocks are in L1/L2 after the first): the set's totals are locals, kept
              * in registers across the units, instead of an array in memory stored and read back
              * every unit */
-            for (int64_t c = 0; c < nc; c += 2) {
-                if (nc - c >= 2) {
+            for (int64_t c = 0; c < nc;) {
+                const int64_t left = nc - c;
+                /* with the base, up to FUSED_WIDE columns per decoding (the residual alone keeps
+                 * pairs: its digit choice per column makes a body per combination) */
+                if (FUSED_WIDE >= 4 && bt != T_NONE && left >= 4) {
+                    fused_row(job, bt, rt, coarse, r, c, 4, scb, scr, brow, rrow, bend, rend);
+                    c += 4;
+                } else if (FUSED_WIDE >= 4 && bt != T_NONE && left == 3) {
+                    fused_row(job, bt, rt, coarse, r, c, 3, scb, scr, brow, rrow, bend, rend);
+                    c += 3;
+                } else if (left >= 2) {
                     fused_row(job, bt, rt, coarse, r, c, 2, scb, scr, brow, rrow, bend, rend);
+                    c += 2;
                 } else {
                     fused_row(job, bt, rt, coarse, r, c, 1, scb, scr, brow, rrow, bend, rend);
+                    c += 1;
                 }
             }
             continue;
@@ -531,7 +563,32 @@ static void int16_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * 
     if (f != NULL) f(job, r0, r1, scratch); /* int16_supports admitted the job */
 }
 
-#ifdef BS_INT16_VNNI
+#if defined(BS_INT16_EVEX)
+/* AVX512-VNNI with VL and BW (EVEX vpdpbusd on 256-bit vectors), and the OS saving their state */
+static bool avx512_vnni_vl(void) {
+    __builtin_cpu_init();
+    return avx2_fma_f16c() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+const bs_kernel_family bs_family_avx512vnni_int16 = {
+    "avx512vnni-int16", BS_ISA_AVX512, avx512_vnni_vl, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
+    /* drafting (8-bit activations, up to 4 columns per decoding) from 2 columns: measured on a
+     * 2-core Zen 4 (python bench/draft_speed.py SPLIT --repeat 7, then 9, Qwen2.5-Coder-1.5B's
+     * Q2_K base, against ggml's kernels): native/ggml time 1.07 at 1 column (taken from there on
+     * a trial), 0.83 / 0.72 at 2, 0.70 / 0.71 at 3, 0.72 / 0.62 at 4; vnni-int24, the drafter
+     * there before: 1.16 at 2, 0.98 at 3, 0.93 at 4 */
+    2,
+    /* avxvnni-int16's integers (so avx2-int16's results, bit for bit) with EVEX's 32 registers,
+     * which let one decoding of a row serve 4 columns (FUSED_WIDE). Preferred where 512-bit
+     * operations run at half rate (Zen 4), to 6 columns there (HR_INT16W_MAX in kernels.c); after
+     * the full-rate AVX-512 families elsewhere (not measured on such a CPU) */
+    6,
+    /* R alone: avx2-int16's pairs, to 32 columns as it */
+    .alone_max_cols = 32,
+    .exact_weights = true,
+};
+#elif defined(BS_INT16_VNNI)
 static int vnni256_cached = -1;
 /* AVX-VNNI (VEX vpdpbusd/vpdpwssd): CPUID leaf 7, sub-leaf 1, EAX bit 4 */
 static bool avx2_vnni256(void) {
@@ -588,6 +645,6 @@ const bs_kernel_family bs_family_avx2_int16 = {
     .alone_max_cols = 32,
     .exact_weights = true,
 };
-#endif /* BS_INT16_VNNI */
+#endif /* BS_INT16_EVEX, BS_INT16_VNNI */
 
 #endif /* __x86_64__ */
