@@ -29,10 +29,11 @@
  * column's result never depends on the rest of the batch.
  *
  * Memory: one row at a time. Up to FUSED_COLS columns, each pair of columns (with AVX-512's 32
- * registers and the base in the product, each set of up to 4: FUSED_WIDE) runs over the whole row, decoding each unit in registers and applying it to both, the pair's totals in registers
- * (the row's blocks are in L1/L2 after the first pair, which prefetches them and keeps each
- * unit's decoded scales for the others); above that, each unit is decoded once into an L1 buffer
- * and applied to every column. Each weight block is read from memory once per product.
+ * registers and the base in the product, each set of up to FUSED_WIDE = 4) runs over the whole
+ * row, decoding each unit in registers and applying it to each of its columns, their totals in
+ * registers (the row's blocks are in L1/L2 after the first set, which prefetches them and keeps
+ * each unit's decoded scales for the others); above that, each unit is decoded once into an L1
+ * buffer and applied to every column. Each weight block is read from memory once per product.
  */
 #if defined(__x86_64__)
 
