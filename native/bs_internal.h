@@ -348,6 +348,8 @@ void bs_attn_exp_row_generic(const float * x, float * y, int64_t n, float max);
 void bs_attn_product_avx2(const bs_attn_args * g, int64_t c0, int64_t c1);
 void bs_attn_exp_row_avx2(const float * x, float * y, int64_t n, float max);
 void bs_attn_transpose_avx2(const char * a, size_t a_row, bool f16, int64_t K, int64_t M, float * t, int64_t t_row);
+/* AVX-512 F, BW, VL and VNNI (cached; kernels_int.c): vnni-int24 and avx512vnni-int16 need them */
+bool bs_cpu_avx512_vnni(void);
 #endif
 
 /* a whole product on the library's own pool (add mode, bitsplit_ctx_matmul) */

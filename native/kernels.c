@@ -336,6 +336,17 @@ const bs_kernel_family * bs_family_named(const char * name) {
     return NULL;
 }
 
+/* the order in force: for decode-sized batches (small) or larger ones, the half-rate orders where
+ * hr (half_rate_in_force); bs_policy_list and bs_draft_policy both take theirs from here */
+static const bs_kernel_family * const * policy_order(bool small, bool hr) {
+#if defined(__x86_64__)
+    if (hr) return small ? order_small_hr : order_large_hr;
+#else
+    (void)hr;
+#endif
+    return small ? order_small : order_large;
+}
+
 /* a product of the residual alone: add mode's R . x (the device computes W2 . x) */
 static bool residual_alone(const bs_job * job) {
     return job->w2 == NULL && job->r != NULL && !job->draft;
@@ -363,11 +374,8 @@ int bs_policy_list(int64_t n_cols, bool alone, const bs_job * job, const bs_kern
     /* products of the residual alone keep the per-column kernels' order at every batch: each
      * stays first to its own limit (alone_max_cols), past it the tile and f32 families take over */
     const bool small = n_cols <= BS_SMALL_BATCH || alone;
-    const bs_kernel_family * const * order = small ? order_small : order_large;
     const bool hr = half_rate_in_force(cap);
-#if defined(__x86_64__)
-    if (hr) order = small ? order_small_hr : order_large_hr;
-#endif
+    const bs_kernel_family * const * order = policy_order(small, hr);
     int n = 0;
     /* pass 0: the families for this batch in the order's sequence; pass 1: those past their
      * max_cols, which still compute it (before generic, the last resort) */
@@ -411,10 +419,7 @@ const bs_kernel_family * bs_draft_policy(const bs_job * job) {
     bs_isa_cap(&cap);
     /* where 512-bit operations run at half rate, the 256-bit families draft first too (on a Zen 4,
      * avx512vnni-int16's drafting passes of 2 / 3 / 4 rows took 0.75 / 0.78 / 0.80 of vnni-int24's) */
-    const bs_kernel_family * const * order = order_small;
-#if defined(__x86_64__)
-    if (half_rate_in_force(cap)) order = order_small_hr;
-#endif
+    const bs_kernel_family * const * order = policy_order(true, half_rate_in_force(cap));
     for (size_t i = 0; i < N_FAMILIES; i++) {
         const bs_kernel_family * f = order[i];
         if (f->draft_min_cols > 0 && usable(f, cap) && (job == NULL || (job->n_cols >= f->draft_min_cols &&

@@ -203,4 +203,11 @@ def test_the_cost_curves_are_kept_per_residual(tiny_f32, tiny_split, tmp_path):
 
     assert setup(tiny_split) == setup(tiny_split)
     assert setup(tiny_split) != setup(other)
+    # the fingerprint is read only where asked (it reads every tensor's edges), and is the one
+    # setup_of reads for itself
+    from bitsplit_llama.formats.modeldir import residual_keys
+
+    assert "residual_fingerprint" not in residual_keys(tiny_split / "residual.gguf")
+    fp = residual_keys(tiny_split / "residual.gguf", with_fingerprint=True)["residual_fingerprint"]
+    assert len(fp) == 16 and fp in setup(tiny_split)
     assert autotree.cache_path(fps[0], 2, setup(tiny_split)) != autotree.cache_path(fps[1], 2, setup(other))

@@ -147,17 +147,21 @@ def split_info(model_dir: str | os.PathLike[str]) -> SplitInfo:
         )
 
 
-def residual_keys(res_p: str | os.PathLike[str]) -> dict:
+def residual_keys(res_p: str | os.PathLike[str], *, with_fingerprint: bool = False) -> dict:
     """What a residual.gguf says of its split, read with one open: the base fingerprint it was made
-    from, the base and residual types, whether the base was made with an importance matrix, and the
-    residual's own fingerprint (16 hex digits; splits of one source share a base, not a residual)."""
+    from, the base and residual types, whether the base was made with an importance matrix, and
+    with ``with_fingerprint`` the residual's own fingerprint (16 hex digits; splits of one source
+    share a base, not a residual), which costs a read of every tensor's edges: only the auto tree's
+    setup key needs it."""
     with GGUFFile(res_p, role="residual") as rg:
         kv = rg.kv
-        return {"base_fingerprint": str(kv.get("bitsplit.base_fingerprint", "")),
+        keys = {"base_fingerprint": str(kv.get("bitsplit.base_fingerprint", "")),
                 "base_type": str(kv.get("bitsplit.base_type", "") or "") or None,
                 "residual_type": str(kv.get("bitsplit.residual_type", "") or "") or None,
-                "imatrix": bool(kv.get("bitsplit.imatrix")),
-                "residual_fingerprint": fingerprint(rg)[:16]}
+                "imatrix": bool(kv.get("bitsplit.imatrix"))}
+        if with_fingerprint:
+            keys["residual_fingerprint"] = fingerprint(rg)[:16]
+        return keys
 
 
 def _kept_layers(res: GGUFFile, n_layer: int) -> list[int]:

@@ -144,7 +144,7 @@ def setup_of(sm, residual_fingerprint: str | None = None) -> str:
     if residual_fingerprint is None:
         from ..formats.modeldir import residual_keys
 
-        residual_fingerprint = residual_keys(sm.residual.residual_path)["residual_fingerprint"]
+        residual_fingerprint = residual_keys(sm.residual.residual_path, with_fingerprint=True)["residual_fingerprint"]
     return (f"{build_key()[0]}|ngl={sm.n_gpu_layers}|native_drafter={sm.fast_drafter}|residual={residual_fingerprint}"
             + (f"|rpc={len(sm.rpc)}" if sm.rpc else ""))
 

@@ -77,7 +77,7 @@ class Generator:
             from ..formats.modeldir import residual_keys
             from . import autotree
 
-            keys = residual_keys(self.sm.residual.residual_path)
+            keys = residual_keys(self.sm.residual.residual_path, with_fingerprint=True)
             fp = keys["base_fingerprint"]
             setup = autotree.setup_of(self.sm, keys["residual_fingerprint"])
             key = autotree.machine_key(self.sm.ctx.n_threads, setup)

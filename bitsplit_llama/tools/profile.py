@@ -39,13 +39,14 @@ def parse_nodes(text: str) -> list[int]:
     return nodes
 
 
-def _split_keys(split: Path) -> dict:
+def _split_keys(split: Path, *, with_fingerprint: bool = False) -> dict:
     """The split's base fingerprint, base type, residual type, whether its base was made with an
-    importance matrix and the residual's fingerprint (residual.gguf's metadata), once validated."""
+    importance matrix (residual.gguf's metadata) and with ``with_fingerprint`` the residual's own
+    fingerprint, once validated."""
     from ..formats.modeldir import residual_keys, validate_split
 
     _, res_p = validate_split(split)
-    return residual_keys(res_p)
+    return residual_keys(res_p, with_fingerprint=with_fingerprint)
 
 
 def profile_base_type(prof: dict, path: str | os.PathLike[str] | None = None) -> str | None:
@@ -78,7 +79,7 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
     if not temperature >= 0:
         raise InvalidOptionError(f"--temp: {temperature} is negative")
     prompts = list(prompts) if prompts else list(autotree.CALIBRATION_PROMPTS)
-    keys = _split_keys(split)
+    keys = _split_keys(split, with_fingerprint=True)
     fp = keys["base_fingerprint"]
     shapes = [TreeShape(0, 1, 1) if n == 0 else TreeShape.for_nodes(n) for n in nodes]
     room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes))

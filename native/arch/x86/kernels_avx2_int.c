@@ -565,12 +565,9 @@ static void int16_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * 
 }
 
 #if defined(BS_INT16_EVEX)
-/* AVX512-VNNI with VL and BW (EVEX vpdpbusd on 256-bit vectors), and the OS saving their state */
-static bool avx512_vnni_vl(void) {
-    __builtin_cpu_init();
-    return avx2_fma_f16c() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-}
+/* AVX512-VNNI with VL and BW (EVEX vpdpbusd on 256-bit vectors; vnni-int24's test, kernels_int.c)
+ * besides AVX2 + FMA + F16C */
+static bool avx512_vnni_vl(void) { return avx2_fma_f16c() && bs_cpu_avx512_vnni(); }
 
 const bs_kernel_family bs_family_avx512vnni_int16 = {
     "avx512vnni-int16", BS_ISA_AVX512, avx512_vnni_vl, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,

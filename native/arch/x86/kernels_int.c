@@ -38,17 +38,23 @@ typedef struct {
     float pad[15];
 } act_block; /* 3*256 + 64 + 64 = 896 bytes, 64-byte aligned */
 
-static int cpu_vnni = -1;
+static int cpu_avx512_vnni = -1, cpu_int = -1;
+
+bool bs_cpu_avx512_vnni(void) {
+    if (cpu_avx512_vnni < 0) {
+        __builtin_cpu_init();
+        cpu_avx512_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return cpu_avx512_vnni == 1;
+}
 
 static bool int_available(void) {
-    if (cpu_vnni < 0) {
-        __builtin_cpu_init();
-        cpu_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                   __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma") &&
-                   __builtin_cpu_supports("f16c");
+    if (cpu_int < 0) {
+        cpu_int = bs_cpu_avx512_vnni() && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
+                  __builtin_cpu_supports("f16c");
     }
-    return cpu_vnni == 1;
+    return cpu_int == 1;
 }
 
 static bool type_ok(enum ggml_type t) {
