@@ -125,6 +125,24 @@ def test_fixed_trees_reach_the_end_of_the_context(tiny_split, n_ctx):
             assert spec.tokens == plain.tokens and spec.finish_reason == plain.finish_reason == "length"
 
 
+def test_a_near_tie_goes_to_the_shape_with_fewer_nodes():
+    """The rank model overrates deep trees (it multiplies the calibration's acceptance per level):
+    among shapes within NEAR_TIE of the best, the fewest nodes win; a clear lead still wins."""
+    # a calibration measured on a 2-core Zen 4 (Qwen2.5-Coder-1.5B, q5_k residual), ms
+    verify = {2: 150.1, 3: 179.8, 4: 242.5, 5: 294.3, 7: 442.1, 9: 453.9, 13: 607.4, 17: 734.8, 25: 781.2}
+    probs = [0.8655, 0.0924, 0.0084, 0.0168]
+    tied = autotree.Profile(verify, {1: 48.4, 2: 70.1, 4: 90.6}, probs, 150.1)
+    shape, tps, table = autotree.choose(tied)
+    best = table[0]
+    assert best[0].nodes == 2 and shape.nodes == 1  # the 2-node chain led by less than NEAR_TIE
+    assert tps >= best[3] * (1 - autotree.NEAR_TIE) and tps < best[3]
+    assert all(r[0].nodes >= 1 for r in table if r[3] >= best[3] * (1 - autotree.NEAR_TIE))
+    # drafting 5x cheaper: a deeper tree leads by more than NEAR_TIE and is taken
+    clear = autotree.Profile(verify, {1: 9.7, 2: 14.0, 4: 18.1}, probs, 150.1)
+    shape, tps, table = autotree.choose(clear)
+    assert shape == table[0][0] and shape.nodes >= 2
+
+
 def test_profile_takes_the_fastest_family_per_pass_size():
     prof = autotree.Profile({2: 99.0, 25: 99.0}, {1: 1.0}, [0.5], 99.0,
                             {"a": {2: 10.0, 25: 50.0}, "b": {2: 20.0, 25: 30.0}})
