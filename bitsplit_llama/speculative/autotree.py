@@ -229,8 +229,8 @@ def candidate_shapes(max_nodes: int = 24) -> list[TreeShape]:
 # the fewest nodes is taken: the rank model (the calibration's acceptance multiplied per level, every
 # round drafted) overrated the deeper of two near-tied chains. Measured on a 2-core Zen 4
 # (Qwen2.5-Coder-1.5B, q5_k residual, 4 code prompts x 32 tokens): a 2-node chain expected 0.5%
-# ahead of a 1-node chain got 2.37 tokens per verify against 2.62 expected (the 1-node chain 1.80
-# against 1.85), and ran 0.79x / 0.75x stock Q8_0 against 0.81x / 0.85x with the 1-node chain.
+# ahead of a 1-node chain got 2.37 tokens per verify against 2.62 expected (a q6_k split's 1-node
+# chain 1.80 against 1.85), and ran 0.79x / 0.75x stock Q8_0 against 0.81x / 0.85x with the 1-node chain.
 NEAR_TIE = 0.03
 
 
