@@ -615,7 +615,7 @@ def doctor(
           f"{s['residual_bytes'] / 1e6:.0f} MB, base Q2_K {s['base_bytes'] / 1e6:.0f} MB ({p['size']} profile"
           f"{', cached' if p['cached'] else ''})")
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
-    for col in ("product", "family", "batch", "ms/pass", "GB/s", "GB/s/core", "Gweights/s", "of mem BW"):
+    for col in ("product", "family", "batch", "ms/pass", "GB/s", "GB/s/core", "Gweights/s", "of mem BW", "vs ggml"):
         t.add_column(col, justify="left" if col in ("product", "family") else "right", no_wrap=True,
                      min_width=len("avx512-bf16*") if col == "family" else None)
     rows = ([("R.x", r) for r in p["residual"]] + [("(W2+R).x", r) for r in p["with_base"]]
@@ -624,12 +624,15 @@ def doctor(
     for what, r in rows:
         fam = r["family"] + ("*" if r.get("policy") and what == "R.x" else "")
         use = f"{100 * r['bandwidth_use']:.0f}%" if r["bandwidth_use"] is not None else "-"
+        vs = f"{r['vs_ggml']:.2f}x" if r.get("vs_ggml") is not None else ""
         t.add_row(what, fam, str(r["batch"]), f"{1000 * r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
-                  f"{r['gb_per_s_per_core']:.2f}", f"{r['weights_per_s'] / 1e9:.2f}", use)
+                  f"{r['gb_per_s_per_core']:.2f}", f"{r['weights_per_s'] / 1e9:.2f}", use, vs)
     # at least the table's own width: narrower, rich truncates its figures ("35.…") and labels
     con = Console()
-    Console(width=max(con.width, 100)).print(t)
-    print(f"* the policy's family for that batch. Profile: {p['path']}")
+    Console(width=max(con.width, 110)).print(t)
+    print("* the policy's family for that batch. vs ggml: speed against stock ggml's Q6_K product on the same "
+          "bytes, the median of their ratio pass by pass (timed in turn)")
+    print(f"Profile: {p['path']}")
 
 
 @app.command("eval")

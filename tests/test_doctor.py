@@ -72,6 +72,12 @@ def check_profile(p: dict) -> None:
     # the verifier's pass at the small batches a chain or a small tree verifies, and at 16
     assert [(r["batch"], r["family"]) for r in p["with_base"]] == [(b, p["kernel_by_batch"][str(b)]) for b in (1, 2, 4, 16)]
     assert {r["batch"] for r in p["ggml_reference"]} == {1, 16}  # llama-cpp-python's ggml is always there
+    # ggml's reference timed in turn with the families at its batches: as many passes as each, and
+    # each family's speed against it (the median ratio of their passes) beside its row
+    for g in p["ggml_reference"]:
+        at = [r for r in p["residual"] if r["batch"] == g["batch"]]
+        assert all(r["passes"] == g["passes"] for r in at) and all(positive(r["vs_ggml"]) for r in at), at
+    assert all("vs_ggml" not in r for r in p["residual"] if r["batch"] not in (1, 16))
     # and the drafter's rate: ggml on the base's Q2_K bytes (plan --gpu none)
     assert {r["batch"] for r in p["ggml_base"]} == {1, 2, 4, 16} and all(r["type"] == "q2_k" for r in p["ggml_base"])
     # the native drafter's rate, at the batches its family takes (none where ggml drafts)
@@ -81,6 +87,27 @@ def check_profile(p: dict) -> None:
     assert all(r["bytes"] == p["ggml_base"][0]["bytes"] for r in p["native_draft"])  # the same base bytes
     assert all(r["bytes"] < p["ggml_reference"][0]["bytes"] for r in p["ggml_base"])  # 2-bit, smaller than Q6_K
     assert any(d["type"] == "cpu" for d in p["devices"])
+
+
+def test_passes_are_timed_in_turn_the_order_rotating():
+    """The profile times its contenders (families, ggml) pass by pass in turn, each round starting
+    one further along, so that drift falls on all alike, a settling step after the passes that ask
+    for one; the rounds stop at the size's repeat count, or after one round once the budget is
+    spent."""
+    from dataclasses import replace
+
+    from bitsplit_llama.tools.machine import QUICK, interleaved
+
+    calls: list[str] = []
+    passes = {n: (lambda n=n: calls.append(n)) for n in ("a", "b", "c")}
+    # ggml's pass is followed by a wait (untimed) for its OpenMP workers to stop spinning: "b" here
+    times = interleaved(passes, replace(QUICK, repeat=4, budget_s=60.0), settle={"b": lambda: calls.append("~")})
+    assert calls == list("ab~c" "b~ca" "cab~" "ab~c")
+    assert {n: len(t) for n, t in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(x >= 0 for t in times.values() for x in t)
+    calls.clear()
+    spent = interleaved(passes, replace(QUICK, repeat=4, budget_s=0.0))
+    assert calls == list("abc") and all(len(t) == 1 for t in spent.values())
 
 
 def test_doctor_json_cached_refreshed_and_keyed_by_isa_cap(capsys, cache):

@@ -4,8 +4,9 @@ What it holds: the CPU model and the ISA flags that matter, threads, physical me
 families the native library runs here and which one its policy picks for each batch size (asked of
 the library: the thresholds live only in C), memory bandwidth (a threaded numpy reduction), the
 residual product's throughput per family at batch 1, 4, 16 and 64 on a synthetic split of at least
-83 MB and 4x the last-level cache (up to 1.8 GB), stock ggml's own throughput on the same bytes,
-and the devices llama.cpp sees.
+83 MB and 4x the last-level cache (up to 1.8 GB), stock ggml's own throughput on the same bytes
+(the families and ggml timed pass by pass in turn at each batch, so that their ratio, ``vs_ggml``,
+is not skewed by drift), and the devices llama.cpp sees.
 
 ``bitsplit doctor`` prints it; ``bitsplit plan`` takes its residual rate per core from it. The
 profile is cached as JSON under ``<cache>/machine/``, keyed by the CPU model and flags, the native
@@ -33,8 +34,8 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-PROFILE_VERSION = 4  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
-# 4: kernel_by_batch_alone (the policy for R . x alone)
+PROFILE_VERSION = 5  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
+# 4: kernel_by_batch_alone (the policy for R . x alone); 5: R . x timed interleaved with ggml, vs_ggml
 #: batch sizes measured for every family
 BATCHES = (1, 4, 16, 64)
 #: batch sizes the policy is asked about
@@ -344,11 +345,57 @@ def _row(family: str, batch: int, seconds: float, nbytes: int, weights: int, thr
             "bandwidth_use": round(gbs * 1e9 / bandwidth, 4) if bandwidth > 0 else None, **extra}
 
 
+#: how long a pass waits after a ggml pass (busy): libgomp's workers spin after ggml's graph before
+#: they sleep (its default wait policy). On a 2-core Zen 4 a residual pass right after a ggml pass
+#: took 1.9x its time, 5 ms later 1.2x, 10 ms or more later 0.9-1.1x (medians of 7)
+OPENMP_SETTLE_S = 0.05
+
+
+def openmp_settled(seconds: float = OPENMP_SETTLE_S) -> None:
+    """Wait ``seconds``, busy on this thread, for ggml's OpenMP workers to stop spinning (so that the
+    next pass timed has every core). Busy, not asleep: after sleeping 0.2 s every pass timed,
+    ggml's too, came out 1.3-1.9x slower (the vCPU idled)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+
+
+def interleaved(passes: dict, size: Size, settle: Optional[dict] = None) -> dict:
+    """Time the ``passes`` (name -> one pass, each warmed up by the caller) in turn, round after
+    round, the order rotating by one each round: up to ``size.repeat`` rounds, fewer once the rounds
+    took ``size.budget_s`` seconds per pass (at least one). Drift on a shared machine (another
+    tenant, the clock) then falls on every pass alike, where one family after another took it alone
+    (sequential figures swung 2x from run to run on a 2-core VM). ``settle``: name -> what to run,
+    untimed, after that pass (:func:`openmp_settled` after ggml's). Returns name -> seconds per
+    round."""
+    names = list(passes)
+    times: dict = {n: [] for n in names}
+    spent = 0.0
+    for i in range(max(1, size.repeat)):
+        if i and spent >= size.budget_s * len(names):
+            break
+        k = i % len(names)
+        for n in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            passes[n]()
+            dt = time.perf_counter() - t0
+            times[n].append(dt)
+            spent += dt
+            if settle and n in settle:
+                settle[n]()
+    return times
+
+
 def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, families: list[str],
-                     log: Optional[Log] = None) -> tuple[list[dict], list[dict]]:
-    """R . x per family and batch (``residual``), and (W2 + R) . x with the policy's family
-    (``with_base``), each a pass over every tensor of the split in turn (so that, the split being
-    larger than the caches, every pass reads the weights from memory)."""
+                     log: Optional[Log] = None, reference: Optional[Callable[[int], Callable[[], None]]] = None,
+                     reference_bytes: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+    """R . x per family and batch (``residual``), stock ggml's product on the same Q6_K bytes at
+    GGML_BATCHES (``reference``: make(rows) -> one pass, from :func:`_ggml_pass`; rows in the third
+    list), and (W2 + R) . x with the policy's family (``with_base``), each a pass over every tensor
+    of the split in turn (so that, the split being larger than the caches, every pass reads the
+    weights from memory). At each batch the families and ggml are timed pass by pass in turn
+    (:func:`interleaved`); a family's row there holds ``vs_ggml``, the median over the rounds of
+    ggml's time over the family's (above 1: faster than ggml on the same bytes)."""
     from ..native import policy
     from ..native.residual import Residual
 
@@ -356,49 +403,78 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
     xs = {b: rng.standard_normal((b, size.ne0), dtype=np.float32) for b in set(BATCHES) | set(WITH_BASE_BATCHES)}
     residual: list[dict] = []
     with_base: list[dict] = []
+    ggml: list[dict] = []
 
-    def run(r: Residual, b: int, base: bool) -> tuple[float, int, int]:
+    def pass_of(r: Residual, b: int, base: bool, fam: Optional[str] = None) -> Callable[[], None]:
         names = [t[0] for t in r.tensors()]
 
         def one_pass() -> None:
+            if fam is not None:
+                r.set_kernel(fam)  # the families share one context up to PIN_MAX_COLS columns
             for n in names:
                 r.matmul(n, xs[b], with_base=base)
+        return one_pass
 
+    def counted(r: Residual, one_pass: Callable[[], None], base: bool) -> int:
+        """bytes one pass reads (the counted pass is the pass's warm-up)"""
         r.reset_counters()
         one_pass()
         c = r.counters()
-        nbytes = c.bytes_residual + (c.bytes_base if base else 0)
-        t, n = _timed(one_pass, size, warm_up=False)  # the counted pass was the warm-up
-        return t, nbytes, n
+        return c.bytes_residual + (c.bytes_base if base else 0)
 
-    with Residual(split) as r:
+    with Residual(split) as r, contextlib.ExitStack() as own:
         r.set_threads(threads)
-        for fam in families:
-            for b in BATCHES:
-                policy_fam = policy.kernel_for_batch(b, residual_alone=True)
+        for b in BATCHES:
+            policy_fam = policy.kernel_for_batch(b, residual_alone=True)
+            passes: dict[str, Callable[[], None]] = {}
+            nbytes: dict[str, int] = {}
+            how: dict[str, str] = {}
+            for fam in families:
                 if b <= PIN_MAX_COLS:
-                    r.set_kernel(fam)
-                    t, nbytes, n = run(r, b, False)
-                    how = "set_kernel"
+                    passes[fam] = pass_of(r, b, False, fam)
+                    nbytes[fam] = counted(r, passes[fam], False)
+                    how[fam] = "set_kernel"
                 else:  # a pinned family serves 32 columns at most: pin it for every size instead
                     with _env("BITSPLIT_KERNEL", fam):
-                        r64 = Residual(split)
-                    with r64:
-                        r64.set_threads(threads)
-                        t, nbytes, n = run(r64, b, False)
-                    how = "BITSPLIT_KERNEL"
-                row = _row(fam, b, t, nbytes, size.weights, threads, bandwidth, policy=fam == policy_fam,
-                           pinned_by=how, passes=n)
+                        rf = own.enter_context(Residual(split))  # the same mapped files: no copy
+                    rf.set_threads(threads)
+                    passes[fam] = pass_of(rf, b, False)
+                    nbytes[fam] = counted(rf, passes[fam], False)
+                    how[fam] = "BITSPLIT_KERNEL"
+            if reference is not None and b in GGML_BATCHES:
+                try:
+                    passes["ggml"] = reference(b)
+                    passes["ggml"]()  # its warm-up
+                except Exception as exc:  # the reference is a comparison: the families are measured still
+                    passes.pop("ggml", None)
+                    _say(log, f"  ggml reference at batch {b} not measured: {type(exc).__name__}: {exc}")
+            times = interleaved(passes, size, settle={"ggml": openmp_settled})
+            for fam in families:
+                extra = {}
+                if "ggml" in times:
+                    extra["vs_ggml"] = round(statistics.median(g / t for g, t in zip(times["ggml"], times[fam])), 3)
+                row = _row(fam, b, statistics.median(times[fam]), nbytes[fam], size.weights, threads, bandwidth,
+                           policy=fam == policy_fam, pinned_by=how[fam], passes=len(times[fam]), **extra)
                 residual.append(row)
-                _say(log, f"  R.x       {fam:>12} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
+                vs = f", {extra['vs_ggml']:.2f}x ggml's speed" if extra else ""
+                _say(log, f"  R.x       {fam:>12} batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
+                          f"{row['gb_per_s']:6.2f} GB/s{vs}")
+            if "ggml" in times:
+                row = _row("ggml", b, statistics.median(times["ggml"]), reference_bytes, size.weights, threads,
+                           bandwidth, type="q6_k", passes=len(times["ggml"]))
+                ggml.append(row)
+                _say(log, f"  ggml Q6_K              batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
+                          f"{row['gb_per_s']:6.2f} GB/s")
         for b in WITH_BASE_BATCHES:
             r.set_kernel(None)
             fam = r.choose_decode_kernel(b)
-            t, nbytes, n = run(r, b, True)
-            row = _row(fam, b, t, nbytes, size.weights, threads, bandwidth, policy=True, passes=n)
+            one = pass_of(r, b, True)
+            nb = counted(r, one, True)
+            t, n = _timed(one, size, warm_up=False)  # the counted pass was the warm-up
+            row = _row(fam, b, t, nb, size.weights, threads, bandwidth, policy=True, passes=n)
             with_base.append(row)
             _say(log, f"  (W2+R).x  {fam:>12} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
-    return residual, with_base
+    return residual, with_base, ggml
 
 
 def measure_native_draft(split: Path, size: Size, threads: int, bandwidth: float,
@@ -493,30 +569,37 @@ def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     return base, cpu
 
 
-def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: Optional[Log] = None,
-                 which: str = "residual", batches: tuple[int, ...] = GGML_BATCHES) -> list[dict]:
-    """Stock ggml's CPU kernels (ggml_mul_mat, ggml_graph_plan, ggml_graph_compute) on the residual's own
-    Q6_K bytes (``which="base"``: the base's Q2_K bytes, what a drafter pass reads): one graph of one
-    product per tensor, the same pass as :func:`measure_residual`'s."""
+def open_ggml(split: Path, size: Size, threads: int, which: str = "residual") -> tuple[Callable, int]:
+    """Stock ggml's products on the split's synthetic weights: the residual's Q6_K bytes, or
+    (``which="base"``) the base's Q2_K bytes, what a drafter pass reads. Returns (make, bytes a pass
+    reads), make as :func:`_ggml_pass`'s (call ``make.free()`` after)."""
     from ..formats.gguf_file import GGUFFile
     from ..formats.split import BASE_NAME, RESIDUAL_NAME
 
-    fname, wtype, label = (BASE_NAME, "q2_k", "Q2_K base") if which == "base" else (RESIDUAL_NAME, "q6_k", "Q6_K")
-    with GGUFFile(split / fname, role=which) as g:
+    with GGUFFile(split / (BASE_NAME if which == "base" else RESIDUAL_NAME), role=which) as g:
         # the synthetic weights (the base file holds nothing else, but only these are the measured pass)
         infos = [t for t in g.tensors if len(t.shape) == 2 and t.shape[0] == size.ne0]
-        total = sum(t.nbytes for t in infos)
-        make = _ggml_pass(infos, g, threads)
-        try:
-            rows = []
-            for b in batches:
-                t, n = _timed(make(b), size)
-                row = _row("ggml", b, t, total, size.weights, threads, bandwidth, type=wtype, passes=n)
-                rows.append(row)
-                _say(log, f"  ggml {label:<17} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
-            return rows
-        finally:
-            make.free()
+        return _ggml_pass(infos, g, threads), sum(t.nbytes for t in infos)
+
+
+def measure_ggml(split: Path, size: Size, threads: int, bandwidth: float, log: Optional[Log] = None,
+                 which: str = "base", batches: tuple[int, ...] = GGML_BASE_BATCHES) -> list[dict]:
+    """Stock ggml's CPU kernels (ggml_mul_mat, ggml_graph_plan, ggml_graph_compute) on the base's
+    Q2_K bytes (``which="residual"``: the residual's Q6_K bytes; :func:`measure_residual` times
+    those interleaved with the families): one graph of one product per tensor, the same pass as
+    :func:`measure_residual`'s, timed alone."""
+    wtype, label = ("q2_k", "Q2_K base") if which == "base" else ("q6_k", "Q6_K")
+    make, total = open_ggml(split, size, threads, which)
+    try:
+        rows = []
+        for b in batches:
+            t, n = _timed(make(b), size)
+            row = _row("ggml", b, t, total, size.weights, threads, bandwidth, type=wtype, passes=n)
+            rows.append(row)
+            _say(log, f"  ggml {label:<17} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
+        return rows
+    finally:
+        make.free()
 
 
 def _ggml_pass(infos: list, g, threads: int) -> Callable[[int], Callable[[], None]]:
@@ -722,12 +805,17 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
     bw = statistics.median(memory_bandwidth(threads, size.bandwidth_gib, 1) for _ in range(3))
     _say(log, f"  memory bandwidth {bw / 1e9:.1f} GB/s")
     split = synthetic_split(size, log)
-    residual, with_base = measure_residual(split, size, threads, bw, fams, log)
-    try:
-        ggml = measure_ggml(split, size, threads, bw, log)
+    try:  # stock ggml on the residual's bytes, timed in turn with the families
+        make, ref_bytes = open_ggml(split, size, threads)
     except Exception as exc:  # the reference is a comparison, not what the profile is for
-        ggml = []
+        make, ref_bytes = None, 0
         _say(log, f"  ggml reference not measured: {type(exc).__name__}: {exc}")
+    try:
+        residual, with_base, ggml = measure_residual(split, size, threads, bw, fams, log, reference=make,
+                                                     reference_bytes=ref_bytes)
+    finally:
+        if make is not None:
+            make.free()
     try:  # the drafter's rate: llama.cpp's kernels on the base's bytes (plan --gpu none)
         ggml_base = measure_ggml(split, size, threads, bw, log, which="base", batches=GGML_BASE_BATCHES)
     except Exception as exc:
