@@ -619,19 +619,22 @@ def doctor(
         t.add_column(col, justify="left" if col in ("product", "family") else "right", no_wrap=True,
                      min_width=len("avx512-bf16*") if col == "family" else None)
     rows = ([("R.x", r) for r in p["residual"]] + [("(W2+R).x", r) for r in p["with_base"]]
-            + [("ggml Q6_K", r) for r in p["ggml_reference"]] + [("ggml Q2_K base", r) for r in p.get("ggml_base", [])]
+            + [("ggml Q6_K", r) for r in p["ggml_reference"]] + [("ggml Q8_0", r) for r in p.get("ggml_q8_0", [])]
+            + [("ggml Q2_K base", r) for r in p.get("ggml_base", [])]
             + [("W2.x draft", r) for r in p.get("native_draft", [])])
     for what, r in rows:
         fam = r["family"] + ("*" if r.get("policy") and what == "R.x" else "")
         use = f"{100 * r['bandwidth_use']:.0f}%" if r["bandwidth_use"] is not None else "-"
-        vs = f"{r['vs_ggml']:.2f}x" if r.get("vs_ggml") is not None else ""
+        ratio = r.get("vs_ggml", r.get("vs_ggml_q8_0"))
+        vs = f"{ratio:.2f}x" if ratio is not None else ""
         t.add_row(what, fam, str(r["batch"]), f"{1000 * r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
                   f"{r['gb_per_s_per_core']:.2f}", f"{r['weights_per_s'] / 1e9:.2f}", use, vs)
     # at least the table's own width: narrower, rich truncates its figures ("35.…") and labels
     con = Console()
     Console(width=max(con.width, 110)).print(t)
-    print("* the policy's family for that batch. vs ggml: speed against stock ggml's Q6_K product on the same "
-          "bytes, the median of their ratio pass by pass (timed in turn)")
+    print("* the policy's family for that batch. vs ggml: speed against stock ggml's product timed in turn, the "
+          "median of their ratio pass by pass: R.x against Q6_K on the same bytes, (W2+R).x against the same "
+          "weights as Q8_0 (a stock Q8_0 model's)")
     print(f"Profile: {p['path']}")
 
 

@@ -55,7 +55,7 @@ def check_profile(p: dict) -> None:
     assert p["kernel_by_batch_alone"] == alone
     assert p["threads"] >= 1 and positive(p["memory_bandwidth_gb_s"])
     assert {(r["family"], r["batch"]) for r in p["residual"]} == {(f, b) for f in fams for b in (1, 4, 16, 64)}
-    for r in p["residual"] + p["with_base"] + p["ggml_reference"] + p["ggml_base"] + p["native_draft"]:
+    for r in p["residual"] + p["with_base"] + p["ggml_reference"] + p["ggml_q8_0"] + p["ggml_base"] + p["native_draft"]:
         for k in ROW_KEYS:
             assert k in r, (k, r)
         assert r["family"] in fams or r["family"] == "ggml", r
@@ -78,6 +78,14 @@ def check_profile(p: dict) -> None:
         at = [r for r in p["residual"] if r["batch"] == g["batch"]]
         assert all(r["passes"] == g["passes"] for r in at) and all(positive(r["vs_ggml"]) for r in at), at
     assert all("vs_ggml" not in r for r in p["residual"] if r["batch"] not in (1, 16))
+    # and the verifier's pass against ggml's product of the same weights as Q8_0 (a stock Q8_0
+    # model's), timed in turn at each of its batches: 34 bytes per 32 weights
+    q8 = {r["batch"]: r for r in p["ggml_q8_0"]}
+    assert sorted(q8) == [1, 2, 4, 16] and all(r["type"] == "q8_0" for r in q8.values())
+    assert all(r["bytes"] == p["synthetic"]["tensors"] * p["synthetic"]["ne0"] * p["synthetic"]["ne1"] * 34 // 32
+               for r in q8.values())
+    for r in p["with_base"]:
+        assert positive(r["vs_ggml_q8_0"]) and r["passes"] == q8[r["batch"]]["passes"], r
     # and the drafter's rate: ggml on the base's Q2_K bytes (plan --gpu none)
     assert {r["batch"] for r in p["ggml_base"]} == {1, 2, 4, 16} and all(r["type"] == "q2_k" for r in p["ggml_base"])
     # the native drafter's rate, at the batches its family takes (none where ggml drafts)
@@ -145,7 +153,7 @@ def test_doctor_human_output(capsys, cache):
     out, _ = capsys.readouterr()
     for fam in policy.families():
         assert fam in out
-    assert "memory" in out and "GB/s" in out and "ggml Q6_K" in out and "ggml Q2_K base" in out
+    assert "memory" in out and "GB/s" in out and "ggml Q6_K" in out and "ggml Q2_K base" in out and "ggml Q8_0" in out
     assert "fastest here: batch 1" in out
     # the native drafter's rows in the table too, where this CPU drafts with it (not only in the log)
     assert ("W2.x draft" in out) == bool(policy.draft_kernel() and policy.draft_min_cols() <= 16)

@@ -35,7 +35,8 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 PROFILE_VERSION = 5  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
-# 4: kernel_by_batch_alone (the policy for R . x alone); 5: R . x timed interleaved with ggml, vs_ggml
+# 4: kernel_by_batch_alone (the policy for R . x alone); 5: R . x timed interleaved with ggml, vs_ggml;
+# ggml_q8_0 (the same weights as Q8_0) interleaved with W2 + R, vs_ggml_q8_0
 #: batch sizes measured for every family
 BATCHES = (1, 4, 16, 64)
 #: batch sizes the policy is asked about
@@ -56,7 +57,9 @@ X86_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx51
              "amx_int8")
 ARM_FLAGS = ("asimd", "asimddp", "i8mm", "sve", "sve2", "bf16")
 
-Q2_K, Q6_K = 10, 14
+Q8_0, Q2_K, Q6_K = 8, 10, 14
+#: the synthetic split's weights as stock Q8_0 (W2 + R's competitor: what a Q8_0 model reads), beside it
+Q8_0_NAME = "q8_0.gguf"
 
 Log = Callable[[str], None]
 
@@ -247,16 +250,17 @@ def machine_profile(*, refresh: bool = False, quick: bool = False, threads: Opti
 # -- the synthetic split --------------------------------------------------------------------------
 
 def synthetic_split(size: Size = FULL, log: Optional[Log] = None) -> Path:
-    """A split directory (base.gguf Q2_K, residual.gguf Q6_K) of ``size.tensors`` random weights of
-    ``size.ne0`` x ``size.ne1``, made once and cached. Quantized 1024 rows at a time and tiled:
+    """A split directory (base.gguf Q2_K, residual.gguf Q6_K, and the same weights as Q8_0 in
+    q8_0.gguf) of ``size.tensors`` random weights of ``size.ne0`` x ``size.ne1``, made once and cached. Quantized 1024 rows at a time and tiled:
     the kernels' speed does not depend on the values, and the tiles make it cheap to build."""
     from ..formats import _ggml
     from ..formats.gguf_file import GGUFFile, StreamingGGUFWriter, fingerprint
     from ..formats.split import BASE_NAME, FORMAT_VERSION, RESIDUAL_NAME
 
-    tag = f"synthetic-v{FORMAT_VERSION}-{size.tensors}x{size.ne0}x{size.ne1}"
+    # "q8": with the Q8_0 reference (a split made before it is made again, once)
+    tag = f"synthetic-v{FORMAT_VERSION}q8-{size.tensors}x{size.ne0}x{size.ne1}"
     out = _machine_dir() / tag
-    if (out / BASE_NAME).exists() and (out / RESIDUAL_NAME).exists():
+    if all((out / n).exists() for n in (BASE_NAME, RESIDUAL_NAME, Q8_0_NAME)):
         return out
     _say(log, f"building a synthetic split ({size.tensors} tensors of {size.ne0}x{size.ne1}, Q2_K + Q6_K) in {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -298,11 +302,17 @@ def synthetic_split(size: Size = FULL, log: Optional[Log] = None) -> Path:
             kv.add_uint32("bitsplit.tensor_count", len(names))
 
         write(tmp / RESIDUAL_NAME, "bitsplit-residual", Q6_K, q6, res_kv)
+        # the same weights (W2 + R, dequantized) as stock Q8_0: ggml's reference for the verifier's pass
+        w8 = _ggml.dequantize_rows(q2, Q2_K, size.ne0) + _ggml.dequantize_rows(q6, Q6_K, size.ne0)
+        write(tmp / Q8_0_NAME, "llama", Q8_0, _ggml.quantize_rows(w8, Q8_0))
         try:
             os.rename(tmp, out)
         except OSError:  # another process made it meanwhile
-            if not (out / RESIDUAL_NAME).exists():
+            if not (out / Q8_0_NAME).exists():
                 raise
+        # the same split as made before the Q8_0 reference: superseded
+        shutil.rmtree(_machine_dir() / f"synthetic-v{FORMAT_VERSION}-{size.tensors}x{size.ne0}x{size.ne1}",
+                      ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -388,14 +398,17 @@ def interleaved(passes: dict, size: Size, settle: Optional[dict] = None) -> dict
 
 def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, families: list[str],
                      log: Optional[Log] = None, reference: Optional[Callable[[int], Callable[[], None]]] = None,
-                     reference_bytes: int = 0) -> tuple[list[dict], list[dict], list[dict]]:
+                     reference_bytes: int = 0, reference_q8: Optional[Callable[[int], Callable[[], None]]] = None,
+                     reference_q8_bytes: int = 0) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
     """R . x per family and batch (``residual``), stock ggml's product on the same Q6_K bytes at
     GGML_BATCHES (``reference``: make(rows) -> one pass, from :func:`_ggml_pass`; rows in the third
     list), and (W2 + R) . x with the policy's family (``with_base``), each a pass over every tensor
     of the split in turn (so that, the split being larger than the caches, every pass reads the
     weights from memory). At each batch the families and ggml are timed pass by pass in turn
     (:func:`interleaved`); a family's row there holds ``vs_ggml``, the median over the rounds of
-    ggml's time over the family's (above 1: faster than ggml on the same bytes)."""
+    ggml's time over the family's (above 1: faster than ggml on the same bytes). Likewise each
+    (W2 + R) . x pass with ggml's product of the same weights as Q8_0 (``reference_q8``; rows in the
+    fourth list): its row's ``vs_ggml_q8_0`` is the verifier's pass against a stock Q8_0 model's."""
     from ..native import policy
     from ..native.residual import Residual
 
@@ -404,6 +417,7 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
     residual: list[dict] = []
     with_base: list[dict] = []
     ggml: list[dict] = []
+    ggml_q8: list[dict] = []
 
     def pass_of(r: Residual, b: int, base: bool, fam: Optional[str] = None) -> Callable[[], None]:
         names = [t[0] for t in r.tensors()]
@@ -468,13 +482,31 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
         for b in WITH_BASE_BATCHES:
             r.set_kernel(None)
             fam = r.choose_decode_kernel(b)
-            one = pass_of(r, b, True)
-            nb = counted(r, one, True)
-            t, n = _timed(one, size, warm_up=False)  # the counted pass was the warm-up
-            row = _row(fam, b, t, nb, size.weights, threads, bandwidth, policy=True, passes=n)
+            passes = {fam: pass_of(r, b, True)}
+            nb = counted(r, passes[fam], True)  # the counted pass is the warm-up
+            if reference_q8 is not None:
+                try:
+                    passes["ggml"] = reference_q8(b)
+                    passes["ggml"]()  # its warm-up
+                except Exception as exc:
+                    passes.pop("ggml", None)
+                    _say(log, f"  ggml Q8_0 at batch {b} not measured: {type(exc).__name__}: {exc}")
+            times = interleaved(passes, size, settle={"ggml": openmp_settled})
+            extra = {}
+            if "ggml" in times:
+                extra["vs_ggml_q8_0"] = round(statistics.median(g / t for g, t in zip(times["ggml"], times[fam])), 3)
+            t = statistics.median(times[fam])
+            row = _row(fam, b, t, nb, size.weights, threads, bandwidth, policy=True, passes=len(times[fam]), **extra)
             with_base.append(row)
-            _say(log, f"  (W2+R).x  {fam:>12} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s")
-    return residual, with_base, ggml
+            vs = f", {extra['vs_ggml_q8_0']:.2f}x ggml Q8_0's speed" if extra else ""
+            _say(log, f"  (W2+R).x  {fam:>12} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s{vs}")
+            if "ggml" in times:
+                row = _row("ggml", b, statistics.median(times["ggml"]), reference_q8_bytes, size.weights, threads,
+                           bandwidth, type="q8_0", passes=len(times["ggml"]))
+                ggml_q8.append(row)
+                _say(log, f"  ggml Q8_0              batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
+                          f"{row['gb_per_s']:6.2f} GB/s")
+    return residual, with_base, ggml, ggml_q8
 
 
 def measure_native_draft(split: Path, size: Size, threads: int, bandwidth: float,
@@ -570,13 +602,15 @@ def _ggml_libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
 
 
 def open_ggml(split: Path, size: Size, threads: int, which: str = "residual") -> tuple[Callable, int]:
-    """Stock ggml's products on the split's synthetic weights: the residual's Q6_K bytes, or
-    (``which="base"``) the base's Q2_K bytes, what a drafter pass reads. Returns (make, bytes a pass
+    """Stock ggml's products on the split's synthetic weights: the residual's Q6_K bytes, the base's
+    Q2_K bytes (``which="base"``, what a drafter pass reads), or the whole weights as Q8_0
+    (``which="q8_0"``, what a stock Q8_0 model reads for them). Returns (make, bytes a pass
     reads), make as :func:`_ggml_pass`'s (call ``make.free()`` after)."""
     from ..formats.gguf_file import GGUFFile
     from ..formats.split import BASE_NAME, RESIDUAL_NAME
 
-    with GGUFFile(split / (BASE_NAME if which == "base" else RESIDUAL_NAME), role=which) as g:
+    fname = {"base": BASE_NAME, "residual": RESIDUAL_NAME, "q8_0": Q8_0_NAME}[which]
+    with GGUFFile(split / fname, role="Q8_0 reference" if which == "q8_0" else which) as g:
         # the synthetic weights (the base file holds nothing else, but only these are the measured pass)
         infos = [t for t in g.tensors if len(t.shape) == 2 and t.shape[0] == size.ne0]
         return _ggml_pass(infos, g, threads), sum(t.nbytes for t in infos)
@@ -805,17 +839,21 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
     bw = statistics.median(memory_bandwidth(threads, size.bandwidth_gib, 1) for _ in range(3))
     _say(log, f"  memory bandwidth {bw / 1e9:.1f} GB/s")
     split = synthetic_split(size, log)
-    try:  # stock ggml on the residual's bytes, timed in turn with the families
-        make, ref_bytes = open_ggml(split, size, threads)
-    except Exception as exc:  # the reference is a comparison, not what the profile is for
-        make, ref_bytes = None, 0
-        _say(log, f"  ggml reference not measured: {type(exc).__name__}: {exc}")
+    refs: dict = {}
+    for which in ("residual", "q8_0"):  # stock ggml on the same bytes, timed in turn with the families
+        try:
+            refs[which] = open_ggml(split, size, threads, which)
+        except Exception as exc:  # the references are comparisons, not what the profile is for
+            refs[which] = (None, 0)
+            _say(log, f"  ggml reference ({which}) not measured: {type(exc).__name__}: {exc}")
     try:
-        residual, with_base, ggml = measure_residual(split, size, threads, bw, fams, log, reference=make,
-                                                     reference_bytes=ref_bytes)
+        residual, with_base, ggml, ggml_q8 = measure_residual(
+            split, size, threads, bw, fams, log, reference=refs["residual"][0], reference_bytes=refs["residual"][1],
+            reference_q8=refs["q8_0"][0], reference_q8_bytes=refs["q8_0"][1])
     finally:
-        if make is not None:
-            make.free()
+        for make, _ in refs.values():
+            if make is not None:
+                make.free()
     try:  # the drafter's rate: llama.cpp's kernels on the base's bytes (plan --gpu none)
         ggml_base = measure_ggml(split, size, threads, bw, log, which="base", batches=GGML_BASE_BATCHES)
     except Exception as exc:
@@ -856,6 +894,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "residual": residual,
         "with_base": with_base,
         "ggml_reference": ggml,
+        "ggml_q8_0": ggml_q8,
         "ggml_base": ggml_base,
         "native_draft": native_draft,
         "devices": devs,
