@@ -251,8 +251,9 @@ def machine_profile(*, refresh: bool = False, quick: bool = False, threads: Opti
 
 def synthetic_split(size: Size = FULL, log: Optional[Log] = None) -> Path:
     """A split directory (base.gguf Q2_K, residual.gguf Q6_K, and the same weights as Q8_0 in
-    q8_0.gguf) of ``size.tensors`` random weights of ``size.ne0`` x ``size.ne1``, made once and cached. Quantized 1024 rows at a time and tiled:
-    the kernels' speed does not depend on the values, and the tiles make it cheap to build."""
+    q8_0.gguf) of ``size.tensors`` random weights of ``size.ne0`` x ``size.ne1``, made once and
+    cached. Quantized 1024 rows at a time and tiled: the kernels' speed does not depend on the
+    values, and the tiles make it cheap to build."""
     from ..formats import _ggml
     from ..formats.gguf_file import GGUFFile, StreamingGGUFWriter, fingerprint
     from ..formats.split import BASE_NAME, FORMAT_VERSION, RESIDUAL_NAME
@@ -429,6 +430,31 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
                 r.matmul(n, xs[b], with_base=base)
         return one_pass
 
+    def against(passes: dict, make: Optional[Callable[[int], Callable[[], None]]], b: int, what: str) -> dict:
+        """``passes`` and ggml's pass of ``make`` at ``b`` columns (where it runs), timed in turn"""
+        if make is not None:
+            try:
+                passes["ggml"] = make(b)
+                passes["ggml"]()  # its warm-up
+            except Exception as exc:  # the reference is a comparison: the rest is measured still
+                passes.pop("ggml", None)
+                _say(log, f"  {what} at batch {b} not measured: {type(exc).__name__}: {exc}")
+        return interleaved(passes, size, settle={"ggml": openmp_settled})
+
+    def vs(times: dict, fam: str) -> Optional[float]:
+        """the median over the rounds of ggml's time over the family's"""
+        if "ggml" not in times:
+            return None
+        return round(statistics.median(g / t for g, t in zip(times["ggml"], times[fam])), 3)
+
+    def ggml_row(times: dict, b: int, nbytes: int, wtype: str, rows: list[dict]) -> None:
+        if "ggml" in times:
+            row = _row("ggml", b, statistics.median(times["ggml"]), nbytes, size.weights, threads, bandwidth,
+                       type=wtype, passes=len(times["ggml"]))
+            rows.append(row)
+            _say(log, f"  ggml {wtype.upper():<17} batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
+                      f"{row['gb_per_s']:6.2f} GB/s")
+
     def counted(r: Residual, one_pass: Callable[[], None], base: bool) -> int:
         """bytes one pass reads (the counted pass is the pass's warm-up)"""
         r.reset_counters()
@@ -455,57 +481,30 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
                     passes[fam] = pass_of(rf, b, False)
                     nbytes[fam] = counted(rf, passes[fam], False)
                     how[fam] = "BITSPLIT_KERNEL"
-            if reference is not None and b in GGML_BATCHES:
-                try:
-                    passes["ggml"] = reference(b)
-                    passes["ggml"]()  # its warm-up
-                except Exception as exc:  # the reference is a comparison: the families are measured still
-                    passes.pop("ggml", None)
-                    _say(log, f"  ggml reference at batch {b} not measured: {type(exc).__name__}: {exc}")
-            times = interleaved(passes, size, settle={"ggml": openmp_settled})
+            times = against(passes, reference if b in GGML_BATCHES else None, b, "ggml Q6_K")
             for fam in families:
-                extra = {}
-                if "ggml" in times:
-                    extra["vs_ggml"] = round(statistics.median(g / t for g, t in zip(times["ggml"], times[fam])), 3)
+                ratio = vs(times, fam)
+                extra = {} if ratio is None else {"vs_ggml": ratio}
                 row = _row(fam, b, statistics.median(times[fam]), nbytes[fam], size.weights, threads, bandwidth,
                            policy=fam == policy_fam, pinned_by=how[fam], passes=len(times[fam]), **extra)
                 residual.append(row)
-                vs = f", {extra['vs_ggml']:.2f}x ggml's speed" if extra else ""
                 _say(log, f"  R.x       {fam:>12} batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
-                          f"{row['gb_per_s']:6.2f} GB/s{vs}")
-            if "ggml" in times:
-                row = _row("ggml", b, statistics.median(times["ggml"]), reference_bytes, size.weights, threads,
-                           bandwidth, type="q6_k", passes=len(times["ggml"]))
-                ggml.append(row)
-                _say(log, f"  ggml Q6_K              batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
-                          f"{row['gb_per_s']:6.2f} GB/s")
+                          f"{row['gb_per_s']:6.2f} GB/s" + ("" if ratio is None else f", {ratio:.2f}x ggml's speed"))
+            ggml_row(times, b, reference_bytes, "q6_k", ggml)
         for b in WITH_BASE_BATCHES:
             r.set_kernel(None)
             fam = r.choose_decode_kernel(b)
             passes = {fam: pass_of(r, b, True)}
             nb = counted(r, passes[fam], True)  # the counted pass is the warm-up
-            if reference_q8 is not None:
-                try:
-                    passes["ggml"] = reference_q8(b)
-                    passes["ggml"]()  # its warm-up
-                except Exception as exc:
-                    passes.pop("ggml", None)
-                    _say(log, f"  ggml Q8_0 at batch {b} not measured: {type(exc).__name__}: {exc}")
-            times = interleaved(passes, size, settle={"ggml": openmp_settled})
-            extra = {}
-            if "ggml" in times:
-                extra["vs_ggml_q8_0"] = round(statistics.median(g / t for g, t in zip(times["ggml"], times[fam])), 3)
-            t = statistics.median(times[fam])
-            row = _row(fam, b, t, nb, size.weights, threads, bandwidth, policy=True, passes=len(times[fam]), **extra)
+            times = against(passes, reference_q8, b, "ggml Q8_0")
+            ratio = vs(times, fam)
+            extra = {} if ratio is None else {"vs_ggml_q8_0": ratio}
+            row = _row(fam, b, statistics.median(times[fam]), nb, size.weights, threads, bandwidth, policy=True,
+                       passes=len(times[fam]), **extra)
             with_base.append(row)
-            vs = f", {extra['vs_ggml_q8_0']:.2f}x ggml Q8_0's speed" if extra else ""
-            _say(log, f"  (W2+R).x  {fam:>12} batch {b:3d}: {1000 * t:8.1f} ms/pass, {row['gb_per_s']:6.2f} GB/s{vs}")
-            if "ggml" in times:
-                row = _row("ggml", b, statistics.median(times["ggml"]), reference_q8_bytes, size.weights, threads,
-                           bandwidth, type="q8_0", passes=len(times["ggml"]))
-                ggml_q8.append(row)
-                _say(log, f"  ggml Q8_0              batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
-                          f"{row['gb_per_s']:6.2f} GB/s")
+            _say(log, f"  (W2+R).x  {fam:>12} batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
+                      f"{row['gb_per_s']:6.2f} GB/s" + ("" if ratio is None else f", {ratio:.2f}x ggml Q8_0's speed"))
+            ggml_row(times, b, reference_q8_bytes, "q8_0", ggml_q8)
     return residual, with_base, ggml, ggml_q8
 
 
