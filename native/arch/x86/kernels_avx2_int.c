@@ -218,17 +218,18 @@ INL void decode_group(int t, const uint8_t * p, __m256i S, int g, unit_sc * h, _
 /* the running sums of one half for one column over a unit */
 typedef struct {
     __m256i il, ih; /* superblock types: sum G u X of the low and high digits */
+    __m256i jl, jh; /* the same over the odd groups, where two chains are kept (apply_group's chains2) */
     __m256 f[2];    /* block-32 types: sum D u X, two chains (even, odd groups) */
 } sums;
 
 INL void sums_init(sums * a) {
-    a->il = a->ih = _mm256_setzero_si256();
+    a->il = a->ih = a->jl = a->jh = _mm256_setzero_si256();
     a->f[0] = a->f[1] = _mm256_setzero_ps();
 }
 
-/* one group of one half for one column */
+/* one group of one half for one column; chains2: W2 + R's pass at 1-2 columns (verifying, both digits) */
 INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G, __m256 D, const int8_t * d0,
-                     const int8_t * d1, sums * a) {
+                     const int8_t * d1, sums * a, bool chains2) {
     __m256i e0 = _mm256_loadu_si256((const __m256i *)d0);
     if (t == T_Q8_0) e0 = _mm256_sign_epi8(e0, q);
     if (superblock(t)) {
@@ -245,6 +246,22 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
             __asm__("" : "+x"(a->il), "+x"(a->ih));
             return;
         }
+#ifdef BS_INT16_EVEX
+        if (chains2 && !coarse) {
+            /* W2 + R at 1-2 columns: vpdpwssd, vpmaddwd and vpaddd in one (the same integers), into
+             * two chains per digit (even and odd groups, summed at the unit's end), which halve its
+             * latency through the unit. Measured on a 2-core Zen 4 (python bench/native_ab.py,
+             * Qwen2.5-Coder-1.5B q6_k split, avx512vnni-int16, results bit-identical): time 0.983 /
+             * 0.966 and 0.942 / 0.953 at 1 / 2 columns (two runs of 40 rounds; avx2-int16, whose
+             * code this leaves as it was, 0.996 / 0.987 and 0.997 / 0.990 in the same runs); R alone
+             * the same way took 1.03 / 1.05 (7 rounds), so it keeps vpmaddwd + vpaddd */
+            __m256i * l = (g & 1) ? &a->jl : &a->il, * h = (g & 1) ? &a->jh : &a->ih;
+            *l = DPWSSD(*l, _mm256_maddubs_epi16(u, e0), G);
+            *h = DPWSSD(*h, _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)d1)), G);
+            __asm__("" : "+x"(a->il), "+x"(a->ih), "+x"(a->jl), "+x"(a->jh));
+            return;
+        }
+#endif
 #endif
         a->il = _mm256_add_epi32(a->il, _mm256_madd_epi16(_mm256_maddubs_epi16(u, e0), G));
         if (!coarse) {
@@ -285,11 +302,11 @@ typedef struct {
 /* one group of the residual for one column: the high digit alone where hi (the column's block
  * allows it; a constant where inlined: decided per unit, outside the groups' loop) */
 INL void apply_r(int t, bool coarse, bool hi, int g, __m256i u, __m256i q, __m256i G, __m256 D, const colp * a,
-                 sums * s) {
+                 sums * s, bool chains2) {
     if (coarse || !hi) {
-        apply_group(t, coarse, g, u, q, G, D, a->d0 + 32 * g, a->d1 + 32 * g, s);
+        apply_group(t, coarse, g, u, q, G, D, a->d0 + 32 * g, a->d1 + 32 * g, s, chains2);
     } else {
-        apply_group(t, true, g, u, q, G, D, a->d1 + 32 * g, NULL, s);
+        apply_group(t, true, g, u, q, G, D, a->d1 + 32 * g, NULL, s, false);
     }
 }
 
@@ -298,8 +315,9 @@ INL void apply_r(int t, bool coarse, bool hi, int g, __m256i u, __m256i q, __m25
 INL __m256 sums_end(int t, bool coarse, bool hi, int ng, const sums * a, const unit_sc * h, const float * xs16) {
     __m256 v;
     if (superblock(t)) {
-        const __m256 T = coarse ? _mm256_cvtepi32_ps(a->il)
-                                : _mm256_fmadd_ps(_mm256_cvtepi32_ps(a->ih), _mm256_set1_ps(255.0f), _mm256_cvtepi32_ps(a->il));
+        const __m256i il = _mm256_add_epi32(a->il, a->jl), ih = _mm256_add_epi32(a->ih, a->jh);
+        const __m256 T = coarse ? _mm256_cvtepi32_ps(il)
+                                : _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_set1_ps(255.0f), _mm256_cvtepi32_ps(il));
         v = _mm256_mul_ps(T, _mm256_set1_ps(hi ? 255.0f * h->d : h->d));
     } else {
         v = _mm256_add_ps(a->f[0], a->f[1]);
@@ -346,14 +364,17 @@ INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m
                      bool h1) {
     __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
     __m256 D = _mm256_setzero_ps();
+    /* two chains per digit with the base, verifying, at 1-2 columns (apply_group; with both digits
+     * of every column: the residual's high digit alone is for R alone) */
+    const bool two = ncb <= 2 && bt != T_NONE && !coarse;
     if (bt != T_NONE) {
         decode_group(bt, bp, Sb, g, hb, &u, &q, &G, &D);
-        for (int j = 0; j < ncb; j++) apply_group(bt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ab[j]);
+        for (int j = 0; j < ncb; j++) apply_group(bt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ab[j], two);
     }
     if (rt != T_NONE) {
         decode_group(rt, rp, Sr, g, hr, &u, &q, &G, &D);
         /* the residual: the high digit alone (8-bit activations) in a verify pass */
-        for (int j = 0; j < ncb; j++) apply_r(rt, coarse, j == 0 ? h0 : h1, g, u, q, G, D, &a[j], &ar[j]);
+        for (int j = 0; j < ncb; j++) apply_r(rt, coarse, j == 0 ? h0 : h1, g, u, q, G, D, &a[j], &ar[j], two);
     }
 }
 
@@ -462,8 +483,8 @@ INL __m256 buffered_unit(int bt, int rt, int ng, const unit_buf * b, const unit_
     sums_init(&ab);
     sums_init(&ar);
     _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-        if (bt != T_NONE) apply_group(bt, coarse, g, b->u[g], b->q[g], b->G[g], b->D[g], a->d0 + 32 * g, a->d1 + 32 * g, &ab);
-        if (rt != T_NONE) apply_r(rt, coarse, hi, g, e->u[g], e->q[g], e->G[g], e->D[g], a, &ar);
+        if (bt != T_NONE) apply_group(bt, coarse, g, b->u[g], b->q[g], b->G[g], b->D[g], a->d0 + 32 * g, a->d1 + 32 * g, &ab, false);
+        if (rt != T_NONE) apply_r(rt, coarse, hi, g, e->u[g], e->q[g], e->G[g], e->D[g], a, &ar, false);
     }
     __m256 v = _mm256_setzero_ps();
     if (bt != T_NONE) v = sums_end(bt, coarse, false, ng, &ab, &b->sc, a->xs16);
