@@ -326,11 +326,7 @@ def _timed(one_pass: Callable[[], None], size: Size, warm_up: bool = True) -> tu
     up to ``size.repeat`` passes or ``size.budget_s`` seconds of them, at least one."""
     if warm_up:
         one_pass()
-    ts: list[float] = []
-    while len(ts) < size.repeat and (not ts or sum(ts) < size.budget_s):
-        t0 = time.perf_counter()
-        one_pass()
-        ts.append(time.perf_counter() - t0)
+    ts = interleaved({"pass": one_pass}, size)["pass"]  # one pass in turn with itself: the same rounds
     return statistics.median(ts), len(ts)
 
 
