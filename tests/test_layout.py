@@ -4,6 +4,7 @@ is declared from bitsplit.h alone, and the build compiles what this architecture
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,26 @@ def test_sources_of_a_flat_native_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
     assert build.sources(tmp_path) == ["bitsplit.c", "kernels_x86.c"]
     assert build.include_dirs(tmp_path) == [tmp_path]
+
+
+def test_native_src_names_another_checkouts_sources(tmp_path, monkeypatch):
+    """BITSPLIT_NATIVE_SRC builds from another native/ folder (bench/e2e_ab.py times two builds end to
+    end with it): the same sources give the same cached build, a changed source another, and a folder
+    without the sources is refused by name."""
+    from bitsplit_llama.errors import NativeError
+
+    monkeypatch.delenv(build.SRC_ENV, raising=False)
+    default_key = build.build_key()[0]
+    copy = tmp_path / "native"
+    shutil.copytree(build.source_dir(), copy)
+    monkeypatch.setenv(build.SRC_ENV, str(copy))
+    assert build.source_dir() == copy.resolve()
+    assert build.build_key()[0] == default_key
+    with open(copy / build.sources(copy)[0], "a") as f:
+        f.write("\n/* changed */\n")
+    assert build.build_key()[0] != default_key
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv(build.SRC_ENV, str(empty))
+    with pytest.raises(NativeError, match=r"BITSPLIT_NATIVE_SRC=.*empty: no bitsplit\.h there"):
+        build.source_dir()

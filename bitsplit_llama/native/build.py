@@ -55,8 +55,20 @@ def include_dirs(src: Path) -> list[Path]:
     return [src] + ([src / "arch" / arch] if arch and (src / "arch" / arch).is_dir() else [])
 
 
+SRC_ENV = "BITSPLIT_NATIVE_SRC"
+
+
 def source_dir() -> Path:
-    """The C sources: packaged as bitsplit_llama.native_src (the repository's native/ folder)."""
+    """The C sources: packaged as bitsplit_llama.native_src (the repository's native/ folder), or the
+    folder ``BITSPLIT_NATIVE_SRC`` names (another checkout's ``native/``, for timing two builds end to end:
+    bench/e2e_ab.py). Such a build is cached like any other, per hash of its sources."""
+    env = os.environ.get(SRC_ENV, "")
+    if env:
+        p = Path(env).expanduser()
+        if not (p / "bitsplit.h").is_file():
+            raise NativeError(f"{SRC_ENV}={env}: no bitsplit.h there (expected the native/ folder of a bitsplit-llama "
+                              "checkout, or unset it to use the installed sources)")
+        return p.resolve()
     try:
         p = Path(str(resources.files("bitsplit_llama.native_src")))
         if (p / "bitsplit.h").exists():
