@@ -26,22 +26,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bitsplit_llama.errors import NativeError
+from bitsplit_llama.native import build
+
+
+def _src(src: str) -> str | None:
+    """BITSPLIT_NATIVE_SRC for src (None: the installed sources)."""
+    return None if src == "installed" else str(Path(src).resolve())
+
 
 def _env(src: str) -> dict:
-    env = dict(os.environ)
-    env.pop("BITSPLIT_NATIVE_SRC", None)
-    if src != "installed":
-        env["BITSPLIT_NATIVE_SRC"] = str(Path(src).resolve())
+    env = {k: v for k, v in os.environ.items() if k != build.SRC_ENV}
+    if _src(src) is not None:
+        env[build.SRC_ENV] = _src(src)
     return env
 
 
-def _build(src: str) -> str:
-    """Build (or find cached) the library of src, before any timing; returns its path."""
-    p = subprocess.run([sys.executable, "-c", "from bitsplit_llama.native.build import build; print(build())"],
-                       env=_env(src), capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.exit(f"e2e_ab: building the native library of {src} failed: {(p.stderr or p.stdout).strip()[-2000:]}")
-    return p.stdout.strip().splitlines()[-1]
+def _build(src: str) -> Path:
+    """Build (or find cached) the library of src, before any timing; returns its path. build.source_dir
+    reads BITSPLIT_NATIVE_SRC at each call and refuses a folder without the sources (NativeError)."""
+    saved = os.environ.pop(build.SRC_ENV, None)
+    if _src(src) is not None:
+        os.environ[build.SRC_ENV] = _src(src)
+    try:
+        return build.build()
+    finally:
+        os.environ.pop(build.SRC_ENV, None)
+        if saved is not None:
+            os.environ[build.SRC_ENV] = saved
 
 
 def _bench(src: str, args, extra: list[str]) -> dict:
@@ -69,10 +81,10 @@ def main() -> None:
     extra = [a for a in extra if a != "--"]
     if args.pairs < 1:
         ap.error(f"--pairs {args.pairs}: expected at least 1")
-    for src in (args.src_a, args.src_b):
-        if src != "installed" and not (Path(src) / "bitsplit.h").is_file():
-            ap.error(f"{src}: no bitsplit.h there (expected a checkout's native/ folder, or 'installed')")
-    libs = {src: _build(src) for src in (args.src_a, args.src_b)}
+    try:
+        libs = {src: _build(src) for src in (args.src_a, args.src_b)}
+    except NativeError as exc:
+        ap.error(str(exc))
     print(f"A = {args.src_a} ({libs[args.src_a]})\nB = {args.src_b} ({libs[args.src_b]})", flush=True)
     cols = ("tokens_per_second", "vs_tokens_per_second", "speedup_vs", "median_pair_ratio", "accepted_per_verify")
     print(f"{'pair':>4} {'run':>3} " + " ".join(f"{c:>20}" for c in cols), flush=True)
