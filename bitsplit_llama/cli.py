@@ -789,13 +789,22 @@ def rpc_server(
 
 
 @app.command("build-native")
-def build_native(force: bool = typer.Option(False, "--force", help="Rebuild even if cached.")) -> None:
+def build_native(
+    force: bool = typer.Option(False, "--force", help="Rebuild even if cached."),
+    prune: bool = typer.Option(False, "--prune", help="Then remove every other cached build (a new build "
+                               "removes those unused for 30 days by itself)."),
+) -> None:
     """Build the native library now (it is otherwise built on first use) and print where it is."""
     from . import native
 
     path = native.build.build(force=force, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(path)
     print(f"kernels: {native.kernel_name()}")
+    if prune:
+        removed = native.build.prune(keep=path.parent.name)
+        freed = sum(n for _, n in removed)
+        print(f"removed {_plural(len(removed), 'other build')} ({_fmt_bytes(freed)}) from {path.parent.parent}",
+              file=sys.stderr)
 
 
 @app.command()

@@ -6,7 +6,9 @@ against exactly the ggml headers that llama-cpp-python installed and linked to e
 the kernel families of the running architecture, ``native/arch/<arch>/*.c`` (x86 on x86-64, arm on
 aarch64; other machines build the portable sources alone). Builds are cached under
 ``<cache>/native/`` per hash of every source and header compiled, compiler flags, llama-cpp-python
-version and library path; nothing is compiled twice. Calls go through cffi's ABI mode with the
+version and library path; nothing is compiled twice. Each load marks its build used; a new build
+removes the other builds unused for :data:`STALE_DAYS` days (each upgrade or source change leaves
+one behind), and ``bitsplit build-native --prune`` all of them but the current one. Calls go through cffi's ABI mode with the
 declarations generated from ``bitsplit.h`` (:mod:`.cdef`); the hot path, the eval callback, is
 called by llama.cpp directly.
 """
@@ -21,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -28,6 +31,9 @@ from ..errors import NativeError
 
 ARCH_DIRS = {"x86_64": "x86", "amd64": "x86", "aarch64": "arm", "arm64": "arm"}
 CFLAGS = ("-std=c11", "-O3", "-fPIC", "-Wall", "-fvisibility=default")
+LIB = "libbitsplit.so"
+STALE_DAYS = 30  # a new build removes the other builds no process has loaded for this long
+USED = "used"    # touched by each load: when a build was last used
 
 
 def arch_dir() -> str | None:
@@ -130,7 +136,7 @@ def build(force: bool = False, log=None) -> Path:
     """Compile the library if this exact build is not cached; returns the shared library's path."""
     key, info = build_key()
     out_dir = _cache_root() / key
-    target = out_dir / "libbitsplit.so"
+    target = out_dir / LIB
     if target.exists() and not force:
         return target
     try:
@@ -141,6 +147,7 @@ def build(force: bool = False, log=None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same thing
         if target.exists() and not force:
             return target
+        out_dir.mkdir(parents=True, exist_ok=True)  # a prune may have removed it while this one waited
         cc = _compiler()
         tmp = out_dir / f".libbitsplit.{os.getpid()}.so"
         cmd = [cc, *CFLAGS, "-shared", *[f"-I{d}" for d in include_dirs(info["src"])], f"-I{info['inc']}",
@@ -156,7 +163,62 @@ def build(force: bool = False, log=None) -> Path:
                               f"{info['inc']}, libggml-base {info['base']}): {tail}")
         (out_dir / "build.txt").write_text(" ".join(cmd) + "\n")
         os.replace(tmp, target)
+    try:
+        prune(keep=key, older_than_s=STALE_DAYS * 86400.0)
+    except OSError:
+        pass  # tidying the cache must never fail a build
     return target
+
+
+def _last_used(d: Path) -> float:
+    """When the build in ``d`` was last loaded or made: the latest modification time of its marks."""
+    times = [d.stat().st_mtime]
+    for name in (USED, LIB):
+        try:
+            times.append((d / name).stat().st_mtime)
+        except OSError:
+            pass
+    return max(times)
+
+
+def _tree_bytes(d: Path) -> int:
+    n = 0
+    for f in d.rglob("*"):
+        try:
+            n += f.lstat().st_size if f.is_file() and not f.is_symlink() else 0
+        except OSError:
+            pass
+    return n
+
+
+def prune(keep: str | None = None, older_than_s: float | None = None) -> list[tuple[Path, int]]:
+    """Remove the cached builds other than ``keep`` (a build key): those unused for ``older_than_s``
+    seconds, or of any age with None. A build another process is compiling (its lock held) stays; a
+    process that loaded a removed build keeps its mapping. Returns (folder, bytes) of each removed."""
+    root = _cache_root()
+    if not root.is_dir():
+        return []
+    now = time.time()
+    removed = []
+    for d in sorted(root.iterdir()):
+        if d.name == keep or d.is_symlink() or not d.is_dir():
+            continue
+        if older_than_s is not None and now - _last_used(d) < older_than_s:
+            continue
+        try:
+            lock = open(d / ".lock", "a")
+        except OSError:
+            continue
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # being built now
+            size = _tree_bytes(d)
+            shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            removed.append((d, size))
+    return removed
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,6 +229,10 @@ def load():
     from .cdef import cdef
 
     path = build()
+    try:
+        (path.parent / USED).touch()  # this build is in use: no prune of stale builds takes it
+    except OSError:
+        pass
     ffi = cffi.FFI()
     ffi.cdef(cdef(source_dir() / "bitsplit.h"))
     try:

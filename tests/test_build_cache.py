@@ -1,0 +1,121 @@
+"""The native build cache: one folder per build key under <cache>/native/. Each upgrade or source
+change leaves a build behind; a new build removes the others no process loaded for STALE_DAYS days,
+and `bitsplit build-native --prune` all of them but the current one."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from bitsplit_llama import cli
+from bitsplit_llama.native import build
+
+DAY = 86400.0
+
+
+def _fake_build(root, name, age_days=0.0, used_days=None):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / build.LIB).write_bytes(b"\0" * 4096)
+    (d / "build.txt").write_text("cc ...\n")
+    t = time.time() - age_days * DAY
+    for p in (d / build.LIB, d / "build.txt", d):
+        os.utime(p, (t, t))
+    if used_days is not None:
+        (d / build.USED).touch()
+        u = time.time() - used_days * DAY
+        os.utime(d / build.USED, (u, u))
+        os.utime(d, (t, t))
+    return d
+
+
+@pytest.fixture(scope="module")
+def real_lib():
+    """The library the suite builds anyway, in the user's cache (before a test moves the cache)."""
+    return build.build()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path))
+    root = tmp_path / "native"
+    root.mkdir()
+    return root
+
+
+def test_prune_takes_stale_builds_and_leaves_recent_current_and_locked_ones(cache):
+    stale = _fake_build(cache, "a" * 20, age_days=45)
+    used = _fake_build(cache, "b" * 20, age_days=45, used_days=2)  # old build, loaded two days ago
+    recent = _fake_build(cache, "c" * 20, age_days=1)
+    current = _fake_build(cache, "d" * 20, age_days=90)
+    locked = _fake_build(cache, "e" * 20, age_days=90)
+    (cache / "stray-file").write_text("not a build")
+    with open(locked / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process compiling it
+        removed = build.prune(keep=current.name, older_than_s=30 * DAY)
+        assert [d for d, _ in removed] == [stale]
+        assert removed[0][1] >= 4096  # its bytes
+        assert not stale.exists() and used.exists() and recent.exists() and current.exists() and locked.exists()
+        # of any age: every other build but the locked one
+        removed = build.prune(keep=current.name)
+        assert sorted(d.name for d, _ in removed) == [used.name, recent.name]
+        assert current.exists() and locked.exists() and (cache / "stray-file").exists()
+    assert [d for d, _ in build.prune(keep=current.name)] == [locked]
+
+
+def test_prune_without_a_cache_folder_removes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path / "none"))
+    assert build.prune() == []
+
+
+def test_a_new_build_prunes_stale_builds(cache, monkeypatch):
+    """The compile step itself is faked (it is tested by every test that loads the library): a cache
+    miss compiles, then removes the builds unused for STALE_DAYS, and keeps the rest."""
+    stale = _fake_build(cache, "a" * 20, age_days=build.STALE_DAYS + 5)
+    recent = _fake_build(cache, "b" * 20, age_days=build.STALE_DAYS - 5)
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        out = cmd[cmd.index("-o") + 1]
+        with open(out, "wb") as f:
+            f.write(b"\0")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(build.subprocess, "run", fake_run)
+    target = build.build()
+    assert len(calls) == 1 and target.exists() and target.parent.parent == cache
+    assert not stale.exists() and recent.exists()
+    # a cache hit compiles nothing and removes nothing
+    older = _fake_build(cache, "f" * 20, age_days=build.STALE_DAYS + 5)
+    assert build.build() == target and len(calls) == 1 and older.exists()
+
+
+def test_build_native_prune_keeps_the_current_build(real_lib, cache, capsys):
+    real = real_lib
+    here = cache / real.parent.name
+    here.mkdir()
+    shutil.copy2(real, here / build.LIB)
+    others = [_fake_build(cache, "a" * 20, age_days=0), _fake_build(cache, "b" * 20, age_days=100)]
+    assert cli.main(["build-native", "--prune"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == str(here / build.LIB)
+    assert "removed 2 other builds" in err and str(cache) in err
+    assert (here / build.LIB).exists() and not any(d.exists() for d in others)
+    assert cli.main(["build-native", "--prune"]) == 0
+    assert "removed 0 other builds (0.0 MiB)" in capsys.readouterr().err
+
+
+def test_load_marks_its_build_used(real_lib, cache):
+    real = real_lib
+    here = cache / real.parent.name
+    here.mkdir()
+    shutil.copy2(real, here / build.LIB)
+    assert not (here / build.USED).exists()
+    build.load.__wrapped__()  # load() itself is cached per process
+    assert (here / build.USED).exists()
