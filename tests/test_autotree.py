@@ -229,3 +229,70 @@ def test_the_cost_curves_are_kept_per_residual(tiny_f32, tiny_split, tmp_path):
     fp = residual_keys(tiny_split / "residual.gguf", with_fingerprint=True)["residual_fingerprint"]
     assert len(fp) == 16 and fp in setup(tiny_split)
     assert autotree.cache_path(fps[0], 2, setup(tiny_split)) != autotree.cache_path(fps[1], 2, setup(other))
+
+
+def test_a_cap_set_after_a_cached_profile_measures_again(tiny_split, tmp_path, monkeypatch):
+    """A profile measured without BITSPLIT_MAX_ISA pinned a family that the cap then refused (every
+    run under the cap failed with 'cannot run on this CPU'): the cap, BITSPLIT_HALF_RATE_512 and
+    BITSPLIT_KERNEL are part of the profile's key (next test), and a family the run cannot pin is
+    left to the policy: the run under the cap pins what the cap allows, its output the verifier's."""
+    from bitsplit_llama.errors import UnsupportedModelError
+
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path))
+    fams = autotree.candidate_families()
+    if not fams:
+        pytest.skip("one fast kernel family on this CPU: nothing is timed per family")
+    want = fams[0]
+    real = Engine.time_pass
+
+    def fake(self, rows, *, verify, reps=3):
+        real(self, rows, verify=verify, reps=1)
+        return 1.0 if not verify or self.sm.residual.kernel == want else 9.0
+
+    monkeypatch.setattr(Engine, "time_pass", fake)
+    with Generator(tiny_split, n_ctx=256, tree_nodes="auto") as g:
+        assert g.kernel == want
+    monkeypatch.setenv("BITSPLIT_MAX_ISA", "generic")
+    with Generator(tiny_split, n_ctx=256, tree_nodes="auto") as g:
+        assert g.kernel == "generic"
+        spec = g.generate(PROMPT, max_tokens=12).tokens
+        assert spec == g.generate(PROMPT, max_tokens=12, speculative=False).tokens
+        with pytest.raises(UnsupportedModelError, match=r"'avx2-f32' cannot run on this CPU under "
+                                                        r"BITSPLIT_MAX_ISA=generic \(it runs: generic\)"):
+            g.sm.residual.set_kernel("avx2-f32")
+
+
+def test_the_cost_curves_are_kept_per_kernel_setting(tiny_split, monkeypatch):
+    """The profile's key holds the cap, the half-rate override and BITSPLIT_KERNEL: each changes
+    which families run or which the policy prefers, so none reuses the others' pinned family."""
+    from types import SimpleNamespace
+
+    def setup():
+        res = SimpleNamespace(residual_path=tiny_split / "residual.gguf")
+        return autotree.setup_of(SimpleNamespace(n_gpu_layers=0, fast_drafter=None, rpc=None, residual=res))
+
+    for name in ("BITSPLIT_MAX_ISA", "BITSPLIT_HALF_RATE_512", "BITSPLIT_KERNEL"):
+        monkeypatch.delenv(name, raising=False)
+    plain = setup()
+    assert plain == setup()
+    monkeypatch.setenv("BITSPLIT_MAX_ISA", "generic")
+    capped = setup()
+    assert capped != plain and "isa=generic" in capped
+    monkeypatch.delenv("BITSPLIT_MAX_ISA")
+    monkeypatch.setenv("BITSPLIT_KERNEL", "generic")
+    assert setup() not in (plain, capped)
+
+
+def test_a_profile_family_this_run_cannot_pin_is_left_to_the_policy(tiny_split, tmp_path, monkeypatch):
+    """A cached profile that names a family this run cannot pin (a hand-made or foreign cache) gives
+    way to the kernel policy's family, where pinning it would fail the run."""
+    from bitsplit_llama.native import policy
+
+    monkeypatch.setenv("BITSPLIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("BITSPLIT_KERNEL", raising=False)
+    odd = autotree.Profile({2: 5.0, 8: 9.0}, {1: 1.0, 4: 2.0}, [0.9, 0.05], 5.0,
+                           {"no-such-family": {2: 1.0, 8: 2.0}, policy.kernel_for_batch(2): {2: 50.0, 8: 90.0}})
+    assert odd.kernel(2) == "no-such-family"
+    monkeypatch.setattr(autotree, "load_or_measure", lambda *a, **k: odd)
+    with Generator(tiny_split, n_ctx=256, tree_nodes="auto") as g:
+        assert g.kernel in policy.families() and "kernel" not in g.auto_choice

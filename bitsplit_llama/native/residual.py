@@ -176,7 +176,12 @@ class Residual:
     def set_kernel(self, name: str | None) -> str:
         st = self._lib.bitsplit_ctx_set_kernel(self.ptr, (name or "").encode())
         if st != 0:
-            raise UnsupportedModelError(f"kernel family '{name}' cannot run on this CPU")
+            from . import policy
+
+            cap = os.environ.get("BITSPLIT_MAX_ISA")
+            where = f"on this CPU under BITSPLIT_MAX_ISA={cap}" if cap else "on this CPU"
+            raise UnsupportedModelError(f"kernel family '{name}' cannot run {where} (it runs: "
+                                        f"{', '.join(policy.families())})")
         return self.kernel
 
     def choose_decode_kernel(self, batch: int, name: str | None = None, residual_alone: bool = False) -> str:

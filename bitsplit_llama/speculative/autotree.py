@@ -135,18 +135,21 @@ machine_key = _machine_key
 
 def setup_of(sm, residual_fingerprint: str | None = None) -> str:
     """What besides the machine changes a split model's pass times: the native build, GPU layers,
-    the drafter, RPC servers, and the residual itself (splits of one source share their base: a
-    q5_k and a q6_k residual behind the same base.gguf read different bytes per verify pass).
-    ``residual_fingerprint`` is :func:`~bitsplit_llama.formats.modeldir.residual_keys`'s, read here
-    when the caller has not."""
-    from ..native import build_key
+    the drafter, RPC servers, the residual itself (splits of one source share their base: a q5_k
+    and a q6_k residual behind the same base.gguf read different bytes per verify pass), and the
+    settings that change which kernel families run and which the policy prefers (the cap
+    ``BITSPLIT_MAX_ISA``, ``BITSPLIT_HALF_RATE_512``, ``BITSPLIT_KERNEL``: a profile measured
+    without the cap pinned a family the cap then refused). ``residual_fingerprint`` is
+    :func:`~bitsplit_llama.formats.modeldir.residual_keys`'s, read here when the caller has not."""
+    from ..native import build_key, policy
 
     if residual_fingerprint is None:
         from ..formats.modeldir import residual_keys
 
         residual_fingerprint = residual_keys(sm.residual.residual_path, with_fingerprint=True)["residual_fingerprint"]
     return (f"{build_key()[0]}|ngl={sm.n_gpu_layers}|native_drafter={sm.fast_drafter}|residual={residual_fingerprint}"
-            + (f"|rpc={len(sm.rpc)}" if sm.rpc else ""))
+            + (f"|rpc={len(sm.rpc)}" if sm.rpc else "")
+            + f"|isa={policy.max_isa()}|half_rate_512={int(policy.half_rate_512())}|kernel={kernel_pinned_by_env() or ''}")
 
 
 def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None,

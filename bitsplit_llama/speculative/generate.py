@@ -109,6 +109,8 @@ class Generator:
         rows = max(2, self.shape.nodes + 1)
         if auto and prof is not None and prefer is not None:
             kernel = prof.kernel(rows, prefer=prefer(rows))
+            if kernel not in policy.families():  # a profile of families this run cannot pin: the policy's
+                kernel = None
             if kernel is not None:
                 self.auto_choice["kernel"] = kernel
         self.kernel = self.sm.residual.choose_decode_kernel(rows, kernel, residual_alone=self.sm.residual_alone)
