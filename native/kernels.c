@@ -218,14 +218,18 @@ static const bs_kernel_family * const order_large[] = {
  * avx512vnni-int16 (avx2-int16's integers with EVEX's 32 registers: one decoding of a row serves 4
  * columns): W2 + R to HR_INT16W_MAX (time against avx2-int16 0.98 / 0.91 / 0.72 / 0.69 / 0.82 / 0.80
  * / 0.88 at 1 / 2 / 3 / 4 / 5 / 6 / 8 columns, python bench/native_ab.py, 7 rounds: about 290 ms at
- * 6, level with vnni-int24 and avx2-f32 above), R alone to HR_INT16W_ALONE_MAX (0.97 / 1.00 / 0.93 /
- * 0.98 / 1.12 at 1 / 2 / 4 / 8 / 16: the same pairs of columns as avx2-int16).
+ * 6, level with vnni-int24 and avx2-f32 above), R alone to HR_INT16W_ALONE_MAX: 0.97 / 1.00 / 0.93 /
+ * 0.98 at 1 / 2 / 4 / 8 (the same pairs of columns as avx2-int16), and from 9 columns its tiles of 4
+ * rows (kernels_avx2_int.c) lead every family: python bench/residual_speed.py SPLIT --batches
+ * 8,12,16,24,32 --residual-only, one process, medians of 3, ms per pass 257 / 289 / 338 / 402 / 495
+ * against avx2-int16's 261 / 340 / 420 / 538 / 844, avx512-bf16's 407 / 404 / 425 / 490 / 651,
+ * avx2-f32's 310 / 431 / 459 / 636 / 883 and vnni-int24's 262 / 500 / 512 / 762 / 1169.
  * BITSPLIT_HALF_RATE_512=1 / 0 forces this order on or off (a CPU this test misjudges: a Zen 5 with
  * a 256-bit data path, say). */
 #define HR_INT16_MAX 4
 #define HR_INT16_ALONE_MAX 16
-#define HR_INT16W_MAX 6       /* avx512vnni-int16: W2 + R to 6 columns, R alone to 8 (below) */
-#define HR_INT16W_ALONE_MAX 8
+#define HR_INT16W_MAX 6       /* avx512vnni-int16: W2 + R to 6 columns, R alone to 32 (below) */
+#define HR_INT16W_ALONE_MAX 32
 #define HR_VNNI_MAX 10
 #define HR_F32_MAX 16
 #if defined(__x86_64__)

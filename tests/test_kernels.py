@@ -291,8 +291,10 @@ def test_tile_families_compute_every_residual_type(type_splits, fam):
 def test_vnni_int16_families_are_avx2_int16_bit_for_bit(tiny_split, type_splits, fam):
     """The VNNI families compute avx2-int16's integers with other instructions (Q2_K's scales folded
     into its codes, vpdpbusd/vpdpwssd; avx512vnni-int16 in their EVEX form, one decoding of a row
-    serving up to 4 columns), in the same floating-point order: every product of every type, with
-    and without the base, at every batch size (1 to 9: sets of 4, 3, 2 and 1 columns), is the same bits."""
+    serving up to 4 columns; R alone from 9 columns in tiles of 4 rows and pairs of columns), in the
+    same floating-point order: every product of every type, with and without the base, at every
+    batch size (1 to 9: sets of 4, 3, 2 and 1 columns; 16 and 17: tiles, a column whose block keeps
+    both digits between pairs that take the high digit alone), is the same bits."""
     for f in (fam, "avx2-int16"):
         _runs_here(f)
     names = ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight")
@@ -301,12 +303,13 @@ def test_vnni_int16_families_are_avx2_int16_bit_for_bit(tiny_split, type_splits,
             res.set_precision("auto")
             for name in names:
                 k = {t[0]: t[1][0] for t in res.tensors()}[name]
-                x = np.random.default_rng(11).standard_normal((9, k)).astype(np.float32)
+                x = np.random.default_rng(11).standard_normal((17, k)).astype(np.float32)
                 x[:, 5] *= 40.0
+                x[2, k // 2 + 7] *= 60.0  # column 2 keeps both digits in that block alone
                 got = {}
                 for f in (fam, "avx2-int16"):
                     assert res.set_kernel(f) == f
-                    got[f] = [res.matmul(name, x[:n], with_base=wb) for n in (1, 2, 3, 4, 5, 6, 7, 9)
+                    got[f] = [res.matmul(name, x[:n], with_base=wb) for n in (1, 2, 3, 4, 5, 6, 7, 9, 16, 17)
                               for wb in (True, False)]
                 for a, b in zip(got[fam], got["avx2-int16"]):
                     assert np.array_equal(a, b), (split.name, name)
@@ -409,7 +412,7 @@ def _policy_table(env_extra: dict, batches) -> tuple[bool, list, list, list, str
 def test_half_rate_512_order():
     """Where 512-bit operations run at half rate (AMD Zen 4, or BITSPLIT_HALF_RATE_512=1), the
     256-bit integer family takes W2 + R to 4 columns and R alone to 16 (avx512vnni-int16, where it
-    runs: W2 + R to 6, R alone to 8, then the other's R alone to 16), vnni-int24 W2 + R from 5 (7) to
+    runs: W2 + R to 6, R alone to 32), vnni-int24 W2 + R from 5 (7) to
     10 columns, avx2-f32 to 16, and an AVX-512 family the rest; =0 gives the built-in order, and under an AVX2
     cap the forced order changes nothing (no AVX-512 family to put behind). Testable on every x86
     CPU: the override stands in for the CPUID test."""
@@ -431,10 +434,10 @@ def test_half_rate_512_order():
     assert hr is True
     int16 = "avxvnni-int16" if "avxvnni-int16" in fams else "avx2-int16"
     mid = "vnni-int24" if "vnni-int24" in fams else "avx2-f32"
-    if "avx512vnni-int16" in fams:  # 1, 2, 4, 5, 6 columns; R alone to 8 (7), then the other to 16
+    if "avx512vnni-int16" in fams:  # 1, 2, 4, 5, 6 columns; R alone to 32
         first = "avx512vnni-int16"
         assert with_base == [first] * 5 + [mid] * 2 + ["avx2-f32"] * 2 + [wide[0]] * 3
-        assert alone == [first] * 6 + [int16] * 3 + [wide[0]] * 3
+        assert alone == [first] * 11 + [wide[0]]
     else:
         first = int16
         assert with_base == [int16] * 3 + [mid] * 4 + ["avx2-f32"] * 2 + [wide[0]] * 3

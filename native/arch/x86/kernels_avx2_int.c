@@ -62,6 +62,19 @@
 #include "prefetch.h"
 
 #define FUSED_COLS 6   /* up to here each pair of columns decodes the row again, in registers */
+/* With AVX-512's 32 registers, the residual alone (add mode) from TILE_MIN_COLS columns takes its
+ * rows TILE_ROWS at a time: each unit of the tile's rows decoded into L1 buffers, then per pair of
+ * columns whose blocks take the high digit alone, the TILE_ROWS x 2 sums in registers (each digit
+ * and each row's codes and scales loaded once per group for the pair and the tile, where one row
+ * and one column at a time loaded all three for every pair of row and column). Measured on a
+ * 2-core Zen 4 (python bench/native_ab.py OLD.so NEW.so SPLIT --batches 7,8,16,32 --residual-only,
+ * Qwen2.5-Coder-1.5B q6_k split, bit-identical): time 1.00 at 8 columns, 0.74 at 16, 0.61 at 32;
+ * with AVX2's 16 registers (avx2-int16, 2 or 4 rows) 1.11-1.19 at 7-8 columns, 0.83-0.98 at 16-32:
+ * the other two compilations keep one row at a time */
+#ifdef BS_INT16_EVEX
+#define TILE_ROWS 4
+#define TILE_MIN_COLS 9
+#endif
 /* The most columns one decoding of a row serves in registers, base and residual in the product:
  * with AVX-512's 32 vector registers, 4 (each column's 4 running sums stay in registers); with
  * AVX2's 16, 2 (4 columns at once spilled: time 0.97-1.03 of pairs at 2-6 columns, measured on a
@@ -492,6 +505,98 @@ INL __m256 buffered_unit(int bt, int rt, int ng, const unit_buf * b, const unit_
     return v;
 }
 
+#ifdef BS_INT16_EVEX
+/* one group g of the tile's TILE_ROWS rows (buffers e) applied to two columns' high digits (h0, h1):
+ * the same integers as apply_group's for each (row, column) */
+INL void tile_group(const unit_buf * e, int g, __m256i h0, __m256i h1, __m256i * acc) {
+    for (int i = 0; i < TILE_ROWS; i++) {
+        const __m256i u = e[i].u[g], G = e[i].G[g];
+        acc[2 * i] = DPWSSD(acc[2 * i], _mm256_maddubs_epi16(u, h0), G);
+        acc[2 * i + 1] = DPWSSD(acc[2 * i + 1], _mm256_maddubs_epi16(u, h1), G);
+    }
+}
+
+/* The residual alone from TILE_MIN_COLS columns: rows in tiles of TILE_ROWS, each unit of the tile's
+ * rows decoded into L1 buffers (e[i]); a pair of columns whose blocks both take the high digit alone
+ * runs tile_group, any other column buffered_unit row by row. Every (row, column) sees
+ * buffered_unit's integers and then its float operations in the same order: the same results. */
+INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit_buf * e, __m256 * tot) {
+    const int64_t K = job->K, nc = job->n_cols;
+    const int qa = unit_of(T_NONE, rt);
+    const int ng = qa / 32;
+    const size_t cb = int16_col_bytes(job);
+    const size_t rub = toff(rt, qa);
+    const uint8_t * rend = job->r + (size_t)r1 * job->r_row_bytes;
+    for (int64_t rt0 = r0; rt0 + TILE_ROWS <= r1; rt0 += TILE_ROWS) {
+        for (int64_t i = 0; i < nc * TILE_ROWS; i++) {
+            tot[i] = _mm256_setzero_ps();
+        }
+        for (int64_t k0 = 0; k0 < K; k0 += qa) {
+            const int64_t t = k0 / qa;
+            for (int i = 0; i < TILE_ROWS; i++) {
+                const uint8_t * rp = job->r + (size_t)(rt0 + i) * job->r_row_bytes + (size_t)t * rub;
+                bs_prefetch_ahead(rp, rub, rend);
+                decode_scales(rt, rp, &e[i].sc);
+                const __m256i Sr = e[i].sc.S;
+                _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+                    decode_group(rt, rp, Sr, g, &e[i].sc, &e[i].u[g], &e[i].q[g], &e[i].G[g], &e[i].D[g]);
+                }
+            }
+            int64_t c = 0;
+            while (c < nc) {
+                const colp a0 = col_at(job, cb, c, k0, qa);
+                const bool hi0 = r_alone_hi(T_NONE, rt, false, &a0);
+                if (hi0 && c + 1 < nc) {
+                    const colp a1 = col_at(job, cb, c + 1, k0, qa);
+                    if (r_alone_hi(T_NONE, rt, false, &a1)) {
+                        __m256i acc[2 * TILE_ROWS];
+                        for (int j = 0; j < 2 * TILE_ROWS; j++) acc[j] = _mm256_setzero_si256();
+                        _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+                            const __m256i h0 = _mm256_loadu_si256((const __m256i *)(a0.d1 + 32 * g));
+                            const __m256i h1 = _mm256_loadu_si256((const __m256i *)(a1.d1 + 32 * g));
+                            tile_group(e, g, h0, h1, acc);
+                        }
+                        const __m256 s0 = _mm256_set1_ps(a0.s), s1 = _mm256_set1_ps(a1.s);
+                        for (int i = 0; i < TILE_ROWS; i++) {
+                            sums q0, q1;
+                            sums_init(&q0);
+                            sums_init(&q1);
+                            q0.il = acc[2 * i];
+                            q1.il = acc[2 * i + 1];
+                            const __m256 v0 = _mm256_add_ps(_mm256_setzero_ps(), sums_r(rt, false, true, ng, &q0, &e[i].sc, &a0));
+                            const __m256 v1 = _mm256_add_ps(_mm256_setzero_ps(), sums_r(rt, false, true, ng, &q1, &e[i].sc, &a1));
+                            tot[c * TILE_ROWS + i] = _mm256_fmadd_ps(s0, v0, tot[c * TILE_ROWS + i]);
+                            tot[(c + 1) * TILE_ROWS + i] = _mm256_fmadd_ps(s1, v1, tot[(c + 1) * TILE_ROWS + i]);
+                        }
+                        c += 2;
+                        continue;
+                    }
+                }
+                const __m256 s0 = _mm256_set1_ps(a0.s);
+                for (int i = 0; i < TILE_ROWS; i++) {
+                    const unit_buf * b = e + i; /* unused: no base */
+                    const unit_buf * ei = e + i;
+                    __asm__("" : "+r"(b), "+r"(ei));
+                    const __m256 v = hi0 ? buffered_unit(T_NONE, rt, ng, b, ei, &a0, false, true)
+                                         : buffered_unit(T_NONE, rt, ng, b, ei, &a0, false, false);
+                    tot[c * TILE_ROWS + i] = _mm256_fmadd_ps(s0, v, tot[c * TILE_ROWS + i]);
+                }
+                c += 1;
+            }
+        }
+        for (int64_t c = 0; c < nc; c++) {
+            for (int i = 0; i < TILE_ROWS; i++) {
+                float * y = job->y + c * job->ldy + rt0 + i;
+                const float v = hsum8(tot[c * TILE_ROWS + i]);
+                *y = job->accumulate ? *y + v : v;
+            }
+        }
+    }
+}
+#else
+#define TILE_ROWS 1
+#endif
+
 /* Every (row, column) sees the same operations in the same order: per unit, each half's sums
  * (base first), their offsets, times the block scale s, into the column's total. */
 INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, int64_t r1, bs_scratch * scratch) {
@@ -503,15 +608,22 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
     const int ng = qa / 32;
     const size_t cb = int16_col_bytes(job);
     const int64_t nu = K / qa; /* units per row */
-    uint8_t * mem = bs_scratch_get(scratch, 2 * sizeof(unit_buf) + (size_t)nc * sizeof(__m256) +
+    uint8_t * mem = bs_scratch_get(scratch, (1 + TILE_ROWS) * sizeof(unit_buf) + (size_t)nc * TILE_ROWS * sizeof(__m256) +
                                                 (size_t)(2 * nu) * sizeof(unit_sc) + 64);
     if (mem == NULL) {
         return; /* out of memory: bs_run_job reports it (scratch->failed) */
     }
-    unit_buf * hb = (unit_buf *)mem, * hr = hb + 1;
-    __m256 * tot = (__m256 *)(hr + 1);
-    unit_sc * scb = (unit_sc *)(tot + nc), * scr = scb + nu; /* the fused path's scales per unit */
+    unit_buf * hb = (unit_buf *)mem, * hr = hb + 1; /* hr: TILE_ROWS buffers for tiled_residual */
+    __m256 * tot = (__m256 *)(hr + TILE_ROWS);
+    unit_sc * scb = (unit_sc *)(tot + (size_t)nc * TILE_ROWS), * scr = scb + nu; /* the fused path's scales per unit */
     const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
+#ifdef BS_INT16_EVEX
+    /* superblock residuals (Q4_K-Q6_K: integer scales per 16 values); Q8_0 keeps one row at a time */
+    if (nc >= TILE_MIN_COLS && bt == T_NONE && superblock(rt) && rt != T_Q2_K && !coarse) {
+        tiled_residual(job, rt, r0, r1, hr, tot);
+        r0 += (r1 - r0) / TILE_ROWS * TILE_ROWS; /* the rows left over: one at a time, below */
+    }
+#endif
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t * brow = bt != T_NONE ? job->w2 + (size_t)r * job->w2_row_bytes : NULL;
         const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)r * job->r_row_bytes : NULL;
@@ -603,7 +715,7 @@ const bs_kernel_family bs_family_avx512vnni_int16 = {
      * operations run at half rate (Zen 4), to 6 columns there (HR_INT16W_MAX in kernels.c); after
      * the full-rate AVX-512 families elsewhere (not measured on such a CPU) */
     6,
-    /* R alone: avx2-int16's pairs, to 32 columns as it */
+    /* R alone: avx2-int16's pairs to 8 columns, then tiles of 4 rows (TILE_MIN_COLS), to 32 */
     .alone_max_cols = 32,
     .exact_weights = true,
 };
