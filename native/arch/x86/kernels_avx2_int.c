@@ -243,6 +243,7 @@ INL void sums_init(sums * a) {
 /* one group of one half for one column; chains2: W2 + R's pass at 1-2 columns (verifying, both digits) */
 INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G, __m256 D, const int8_t * d0,
                      const int8_t * d1, sums * a, bool chains2) {
+    (void)chains2; /* used by the EVEX compilation alone */
     __m256i e0 = _mm256_loadu_si256((const __m256i *)d0);
     if (t == T_Q8_0) e0 = _mm256_sign_epi8(e0, q);
     if (superblock(t)) {
@@ -505,6 +506,19 @@ INL __m256 buffered_unit(int bt, int rt, int ng, const unit_buf * b, const unit_
     return v;
 }
 
+/* one column's sums over a unit decoded in the L1 buffers (b, e), its residual's digits as the
+ * column's block allows (r_alone_hi), times its block scale into its total *t: the one-row loop's
+ * body for each column, and the tile's for a column whose pair does not take the high digit alone */
+INL void buffered_column(int bt, int rt, int ng, const unit_buf * b, const unit_buf * e, const colp * a, bool coarse,
+                         __m256 * t) {
+    /* read the decoded unit from L1 in every column: kept in registers across the column loop it
+     * would spill */
+    __asm__("" : "+r"(b), "+r"(e));
+    const __m256 v = r_alone_hi(bt, rt, coarse, a) ? buffered_unit(bt, rt, ng, b, e, a, coarse, true)
+                                                   : buffered_unit(bt, rt, ng, b, e, a, coarse, false);
+    *t = _mm256_fmadd_ps(_mm256_set1_ps(a->s), v, *t);
+}
+
 #ifdef BS_INT16_EVEX
 /* one group g of the tile's TILE_ROWS rows (buffers e) applied to two columns' high digits (h0, h1):
  * the same integers as apply_group's for each (row, column) */
@@ -543,45 +557,39 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                 }
             }
             int64_t c = 0;
+            colp a0 = col_at(job, cb, 0, k0, qa);
             while (c < nc) {
-                const colp a0 = col_at(job, cb, c, k0, qa);
-                const bool hi0 = r_alone_hi(T_NONE, rt, false, &a0);
-                if (hi0 && c + 1 < nc) {
-                    const colp a1 = col_at(job, cb, c + 1, k0, qa);
-                    if (r_alone_hi(T_NONE, rt, false, &a1)) {
-                        __m256i acc[2 * TILE_ROWS];
-                        for (int j = 0; j < 2 * TILE_ROWS; j++) acc[j] = _mm256_setzero_si256();
-                        _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-                            const __m256i h0 = _mm256_loadu_si256((const __m256i *)(a0.d1 + 32 * g));
-                            const __m256i h1 = _mm256_loadu_si256((const __m256i *)(a1.d1 + 32 * g));
-                            tile_group(e, g, h0, h1, acc);
-                        }
-                        const __m256 s0 = _mm256_set1_ps(a0.s), s1 = _mm256_set1_ps(a1.s);
-                        for (int i = 0; i < TILE_ROWS; i++) {
-                            sums q0, q1;
-                            sums_init(&q0);
-                            sums_init(&q1);
-                            q0.il = acc[2 * i];
-                            q1.il = acc[2 * i + 1];
-                            const __m256 v0 = _mm256_add_ps(_mm256_setzero_ps(), sums_r(rt, false, true, ng, &q0, &e[i].sc, &a0));
-                            const __m256 v1 = _mm256_add_ps(_mm256_setzero_ps(), sums_r(rt, false, true, ng, &q1, &e[i].sc, &a1));
-                            tot[c * TILE_ROWS + i] = _mm256_fmadd_ps(s0, v0, tot[c * TILE_ROWS + i]);
-                            tot[(c + 1) * TILE_ROWS + i] = _mm256_fmadd_ps(s1, v1, tot[(c + 1) * TILE_ROWS + i]);
-                        }
-                        c += 2;
-                        continue;
+                const colp a1 = c + 1 < nc ? col_at(job, cb, c + 1, k0, qa) : a0;
+                if (c + 1 < nc && r_alone_hi(T_NONE, rt, false, &a0) && r_alone_hi(T_NONE, rt, false, &a1)) {
+                    __m256i acc[2 * TILE_ROWS];
+                    for (int j = 0; j < 2 * TILE_ROWS; j++) acc[j] = _mm256_setzero_si256();
+                    _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+                        const __m256i h0 = _mm256_loadu_si256((const __m256i *)(a0.d1 + 32 * g));
+                        const __m256i h1 = _mm256_loadu_si256((const __m256i *)(a1.d1 + 32 * g));
+                        tile_group(e, g, h0, h1, acc);
                     }
+                    const __m256 s0 = _mm256_set1_ps(a0.s), s1 = _mm256_set1_ps(a1.s);
+                    for (int i = 0; i < TILE_ROWS; i++) {
+                        sums q0, q1;
+                        sums_init(&q0);
+                        sums_init(&q1);
+                        q0.il = acc[2 * i];
+                        q1.il = acc[2 * i + 1];
+                        const __m256 v0 = _mm256_add_ps(_mm256_setzero_ps(), sums_r(rt, false, true, ng, &q0, &e[i].sc, &a0));
+                        const __m256 v1 = _mm256_add_ps(_mm256_setzero_ps(), sums_r(rt, false, true, ng, &q1, &e[i].sc, &a1));
+                        tot[c * TILE_ROWS + i] = _mm256_fmadd_ps(s0, v0, tot[c * TILE_ROWS + i]);
+                        tot[(c + 1) * TILE_ROWS + i] = _mm256_fmadd_ps(s1, v1, tot[(c + 1) * TILE_ROWS + i]);
+                    }
+                    c += 2;
+                    if (c < nc) a0 = col_at(job, cb, c, k0, qa);
+                    continue;
                 }
-                const __m256 s0 = _mm256_set1_ps(a0.s);
+                /* column c alone, row by row (no base: e[i] stands for both buffers) */
                 for (int i = 0; i < TILE_ROWS; i++) {
-                    const unit_buf * b = e + i; /* unused: no base */
-                    const unit_buf * ei = e + i;
-                    __asm__("" : "+r"(b), "+r"(ei));
-                    const __m256 v = hi0 ? buffered_unit(T_NONE, rt, ng, b, ei, &a0, false, true)
-                                         : buffered_unit(T_NONE, rt, ng, b, ei, &a0, false, false);
-                    tot[c * TILE_ROWS + i] = _mm256_fmadd_ps(s0, v, tot[c * TILE_ROWS + i]);
+                    buffered_column(T_NONE, rt, ng, e + i, e + i, &a0, false, &tot[c * TILE_ROWS + i]);
                 }
                 c += 1;
+                a0 = a1; /* column c's, already computed */
             }
         }
         for (int64_t c = 0; c < nc; c++) {
@@ -673,13 +681,7 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
             }
             for (int64_t c = 0; c < nc; c++) {
                 const colp a = col_at(job, cb, c, k0, qa);
-                /* read the decoded unit from L1 in every column: kept in registers across the
-                 * column loop it would spill */
-                const unit_buf * b = hb, * e = hr;
-                __asm__("" : "+r"(b), "+r"(e));
-                const __m256 v = r_alone_hi(bt, rt, coarse, &a) ? buffered_unit(bt, rt, ng, b, e, &a, coarse, true)
-                                                                : buffered_unit(bt, rt, ng, b, e, &a, coarse, false);
-                tot[c] = _mm256_fmadd_ps(_mm256_set1_ps(a.s), v, tot[c]);
+                buffered_column(bt, rt, ng, hb, hr, &a, coarse, &tot[c]);
             }
         }
         for (int64_t c = 0; c < nc; c++) {
