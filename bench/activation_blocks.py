@@ -76,7 +76,12 @@ def main() -> None:
     from bitsplit_llama import native
     from bitsplit_llama.runtime.llamacpp import Context
 
-    sm = SplitModel(a.split, n_ctx=a.tokens + 16, n_batch=a.tokens, fast_drafter=False)
+    from bitsplit_llama.errors import BitsplitError
+
+    try:
+        sm = SplitModel(a.split, n_ctx=a.tokens + 16, n_batch=a.tokens, fast_drafter=False)
+    except BitsplitError as exc:
+        raise SystemExit(f"activation_blocks.py: {exc}") from None
     base = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
     base.ggml_backend_buffer_is_host.restype = ctypes.c_bool
     base.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
