@@ -24,20 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+from batch_invariance import _Tensor  # the head of struct ggml_tensor, this folder's batch_invariance.py
+from bitsplit_llama.errors import BitsplitError
 from bitsplit_llama.runtime.verifier import SplitModel
 
 XMAX = 32512  # BS_XMAX2: the verifier's 16-bit integer activations (native/bs_codes.h)
 HI_SPAN = 16  # BS_HI_SPAN
 QA = 256  # a block: the superblock types' unit
-
-
-class _Tensor(ctypes.Structure):
-    """The head of ggml.h's struct ggml_tensor (as in bench/batch_invariance.py)."""
-
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
-                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
-                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
-                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
 
 
 def hi_blocks(x: np.ndarray) -> np.ndarray:
@@ -75,8 +68,6 @@ def main() -> None:
 
     from bitsplit_llama import native
     from bitsplit_llama.runtime.llamacpp import Context
-
-    from bitsplit_llama.errors import BitsplitError
 
     try:
         sm = SplitModel(a.split, n_ctx=a.tokens + 16, n_batch=a.tokens, fast_drafter=False)
