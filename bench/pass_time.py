@@ -3,12 +3,16 @@
 context; a verify pass: base + residual), all in one process, round-robin token by token so that a
 shared machine's drift hits each alike: what a drafting pass costs against a stock model's token.
 
-    python bench/pass_time.py base.gguf model-Q8_0.gguf [...] [--split SPLIT_DIR] [--threads 2] [--tokens 30]
+    python bench/pass_time.py base.gguf model-Q8_0.gguf [...] [--split SPLIT_DIR] [--rows 1,2] [--threads 2] [--tokens 30]
 
 Loads each GGUF as a plain ``llama_cpp.Llama`` with its defaults (what a user of stock
 llama-cpp-python gets) and the split as ``SplitModel`` with its defaults (batch-invariant
 verification, the policy's kernel families; a one-token drafting pass is ggml's wherever the native
-drafter starts at more tokens); the median over the passes after 5 warm-up passes.
+drafter starts at more tokens); the median over the passes after 5 warm-up passes. ``--rows``: verify
+passes of that many tokens too (a tree of rows - 1 drafted nodes after the pending token; the
+speculative loop's 1-node chain verifies 2). Each line also gives the weight bytes a pass reads
+(every tensor but the token embedding, which is read a row at a time, unless it is also the output
+head) and that over the time: how close each pass comes to the memory's rate.
 """
 
 from __future__ import annotations
@@ -20,11 +24,24 @@ import time
 from pathlib import Path
 
 
+def weight_bytes(*paths: Path) -> int:
+    """The bytes of the weights one pass reads over these GGUF files (a model, or a split's base then
+    its residual): every tensor but the token embedding (a row per token), unless the first file
+    stores no output head (tied: the head is the embedding, read whole)."""
+    from gguf import GGUFReader
+
+    files = [GGUFReader(path).tensors for path in paths]
+    tied = not any(t.name == "output.weight" for t in files[0])
+    return sum(int(t.n_bytes) for tensors in files for t in tensors if t.name != "token_embd.weight" or tied)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", type=Path, nargs="*")
     ap.add_argument("--split", type=Path, default=None, help="a split model directory: time its drafting and "
                                                              "verify passes too")
+    ap.add_argument("--rows", default="1", help="verify passes of these numbers of tokens, comma-separated "
+                                                "(default 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=30)
     a = ap.parse_args()
@@ -32,6 +49,12 @@ def main() -> None:
         ap.error("--tokens must be at least 6 and --threads at least 1")
     if not a.models and a.split is None:
         ap.error("give at least one GGUF file or --split")
+    try:
+        rows = sorted({int(r) for r in a.rows.split(",")})
+    except ValueError:
+        ap.error(f"--rows {a.rows!r}: expected numbers of tokens separated by commas, e.g. 1,2,4")
+    if not 1 <= rows[0] <= rows[-1] <= 64:
+        ap.error(f"--rows {a.rows!r}: each must be between 1 and 64")
     for m in a.models:
         if not m.is_file():
             ap.error(f"{m}: model file not found")
@@ -40,14 +63,14 @@ def main() -> None:
     from bitsplit_llama.runtime.stock import stock_llama
 
     prompt_text = b"def quicksort(arr):"
-    runners: list[tuple[str, object]] = []  # (label, one-token pass taking the token index)
+    runners: list[tuple[str, object, int]] = []  # (label, pass taking the token index, weight bytes)
     closers = []
     try:
         for m in a.models:
             llm = stock_llama(m, n_ctx=512, n_threads=a.threads)
             closers.append(llm.close)
             llm.eval(llm.tokenize(prompt_text))
-            runners.append((m.name, lambda i, llm=llm: llm.eval([100 + i])))
+            runners.append((m.name, lambda i, llm=llm: llm.eval([100 + i]), weight_bytes(m)))
         if a.split is not None:
             from bitsplit_llama.runtime.verifier import SplitModel
 
@@ -58,24 +81,30 @@ def main() -> None:
                 sm.ctx.decode(prompt, list(range(len(prompt))), logits=False)
             pos = len(prompt)
 
-            def split_pass(i: int, verify: bool) -> None:
-                # one token at the next position, then dropped again: the cache stays the prompt's
+            def split_pass(i: int, verify: bool, n: int = 1) -> None:
+                # n tokens at the next positions, then dropped again: the cache stays the prompt's
                 with sm.verifying() if verify else sm.drafting():
-                    sm.ctx.decode([100 + i], [pos])
-                    sm.ctx.logits_ith(0)
+                    sm.ctx.decode([100 + i + j for j in range(n)], list(range(pos, pos + n)), logits=True)
+                    sm.ctx.logits_ith(n - 1)
                 sm.ctx.seq_rm(0, pos)
 
-            runners.append((f"{a.split.name} drafting pass (base alone)", lambda i: split_pass(i, False)))
-            runners.append((f"{a.split.name} verify pass", lambda i: split_pass(i, True)))
-        times: dict[str, list[float]] = {label: [] for label, _ in runners}
+            base = a.split / "base.gguf"
+            runners.append((f"{a.split.name} drafting pass (base alone)", lambda i: split_pass(i, False),
+                            weight_bytes(base)))
+            both = weight_bytes(base, a.split / "residual.gguf")
+            for n in rows:
+                label = f"{a.split.name} verify pass" + (f", {n} tokens" if n > 1 else "")
+                runners.append((label, lambda i, n=n: split_pass(i, True, n), both))
+        times: dict[str, list[float]] = {label: [] for label, _, _ in runners}
         for i in range(a.tokens):
-            for label, run in runners:
+            for label, run, _ in runners:
                 t0 = time.perf_counter()
                 run(i)
                 times[label].append(time.perf_counter() - t0)
-        for label, ts in times.items():
-            print(f"{label}: {1000 * statistics.median(ts[5:]):.1f} ms/token ({a.threads} threads, median of "
-                  f"{len(ts) - 5})", flush=True)
+        for label, _, nbytes in runners:
+            t = statistics.median(times[label][5:])
+            print(f"{label}: {1000 * t:.1f} ms per pass ({a.threads} threads, median of {len(times[label]) - 5}); "
+                  f"{nbytes / 1e9:.2f} GB of weights, {nbytes / t / 1e9:.1f} GB/s", flush=True)
     finally:
         for close in reversed(closers):
             close()
