@@ -81,8 +81,10 @@ class Size:
 
 
 #: about 83 MB of Q6_K residual (33 MB of Q2_K base): larger than the L3 of desktop CPUs; servers
-#: get more tensors (full_size)
-FULL = Size("full", 3, 4096, 8192, 5, 1.5, 1.0)
+#: get more tensors (full_size). Up to 15 rounds per batch: a pass at batch 1 takes a few ms, and with
+#: 5 rounds one family's ``vs_ggml`` at batch 1 read 0.73-1.23 over four runs on a 2-core Zen 4
+#: (0.84-0.85 over three with 15; the profile then takes ~50 s there instead of ~33)
+FULL = Size("full", 3, 4096, 8192, 15, 1.5, 1.0)
 #: at most this many tensors of FULL's shape (1.8 GB of residual)
 FULL_MAX_TENSORS = 64
 
@@ -200,6 +202,7 @@ def profile_key(threads: Optional[int] = None, quick: bool = False) -> tuple[str
         "threads": _threads(threads),
         "size": (QUICK if quick else FULL).name,
         "tensors": (QUICK if quick else full_size()).tensors,
+        "rounds": (QUICK if quick else FULL).repeat,  # a profile taken with fewer rounds is measured again
     }
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return key, parts
