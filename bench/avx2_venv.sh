@@ -10,11 +10,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.avx2-venv}
-PIN=$(sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
-[[ -n "$PIN" ]] || { echo "avx2_venv.sh: no llama-cpp-python pin found in pyproject.toml" >&2; exit 1; }
+. bench/pin.sh
+PIN=$(llama_cpp_pin avx2_venv.sh)
 [[ "$(uname -m)" == x86_64 ]] || { echo "avx2_venv.sh: an x86-64 machine is needed (this is $(uname -m))" >&2; exit 1; }
 grep -qw avx2 /proc/cpuinfo || { echo "avx2_venv.sh: this CPU has no AVX2" >&2; exit 1; }
 
+[[ -e "$VENV" ]] && { echo "avx2_venv.sh: $VENV exists; remove it or name another folder" >&2; exit 1; }
+# a build or check that fails leaves no environment behind (it would look ready)
+trap 'rc=$?; if [[ $rc != 0 ]]; then rm -rf "$VENV"; echo "avx2_venv.sh: failed; $VENV removed" >&2; fi' EXIT
 python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 echo "== building $PIN for AVX2 only into $VENV (no wheel cache)"

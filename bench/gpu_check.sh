@@ -37,7 +37,8 @@ CMAKE=${GPU_CHECK_CMAKE:--DGGML_CUDA=on -DGGML_RPC=on -DLLAVA_BUILD=off}
 N=${GPU_CHECK_N:-64}
 OUT=${GPU_CHECK_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}
 mkdir -p "$OUT"
-PIN=$(sed -n 's/.*"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
+. bench/pin.sh
+PIN=$(llama_cpp_pin gpu_check.sh)
 SDIST=${GPU_CHECK_SDIST:-$PIN}
 say() { echo "gpu_check: $(date +%T) $*" >&2; }
 
