@@ -475,7 +475,8 @@ INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, i
         __asm__("" : "+r"(first));
         if (first) {
             if (bt != T_NONE) bs_prefetch_ahead(bp, bub, bend);
-            if (rt != T_NONE) bs_prefetch_ahead(rp, rub, rend);
+            /* the residual alone: one stream, further ahead (prefetch.h) */
+            if (rt != T_NONE) bs_prefetch_at(rp, rub, rend, bt != T_NONE ? BS_PF_AHEAD : BS_PF_AHEAD_ALONE);
             if (bt != T_NONE) decode_scales(bt, bp, hb);
             if (rt != T_NONE) decode_scales(rt, rp, hr);
         }
