@@ -190,6 +190,7 @@ def profile_key(threads: Optional[int] = None, quick: bool = False) -> tuple[str
     from ..native.build import build_key
 
     cpu = cpu_info()
+    size = QUICK if quick else full_size()
     parts = {
         "version": PROFILE_VERSION,
         "cpu": cpu["model"],
@@ -200,9 +201,9 @@ def profile_key(threads: Optional[int] = None, quick: bool = False) -> tuple[str
         "half_rate_512": os.environ.get("BITSPLIT_HALF_RATE_512", ""),
         "kernel": os.environ.get("BITSPLIT_KERNEL", ""),
         "threads": _threads(threads),
-        "size": (QUICK if quick else FULL).name,
-        "tensors": (QUICK if quick else full_size()).tensors,
-        "rounds": (QUICK if quick else FULL).repeat,  # a profile taken with fewer rounds is measured again
+        "size": size.name,
+        "tensors": size.tensors,
+        "rounds": size.repeat,  # a profile taken with fewer rounds is measured again
     }
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return key, parts
