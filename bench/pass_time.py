@@ -3,14 +3,18 @@
 context; a verify pass: base + residual), all in one process, round-robin token by token so that a
 shared machine's drift hits each alike: what a drafting pass costs against a stock model's token.
 
-    python bench/pass_time.py base.gguf model-Q8_0.gguf [...] [--split SPLIT_DIR] [--rows 1,2] [--threads 2] [--tokens 30]
+    python bench/pass_time.py base.gguf model-Q8_0.gguf [...] [--split SPLIT_DIR] [--rows 1,2] [--stock-rows 2,3]
+                              [--threads 2] [--tokens 30]
 
 Loads each GGUF as a plain ``llama_cpp.Llama`` with its defaults (what a user of stock
 llama-cpp-python gets) and the split as ``SplitModel`` with its defaults (batch-invariant
 verification, the policy's kernel families; a one-token drafting pass is ggml's wherever the native
 drafter starts at more tokens); the median over the passes after 5 warm-up passes. ``--rows``: verify
 passes of that many tokens too (a tree of rows - 1 drafted nodes after the pending token; the
-speculative loop's 1-node chain verifies 2). Each line also gives the weight bytes a pass reads
+speculative loop's 1-node chain verifies 2). ``--stock-rows``: each stock model's passes of that many
+tokens too, with logits for every one (as a verify pass computes them): what verifying as many
+tokens would cost a speculative decoder whose verifier is that stock model itself, a bound for the
+split's verify pass on the same machine. Each line also gives the weight bytes a pass reads
 (every tensor but the token embedding, which is read a row at a time, unless it is also the output
 head) and that over the time: how close each pass comes to the memory's rate.
 """
@@ -42,6 +46,8 @@ def main() -> None:
                                                              "verify passes too")
     ap.add_argument("--rows", default="1", help="verify passes of these numbers of tokens, comma-separated "
                                                 "(default 1)")
+    ap.add_argument("--stock-rows", default="", help="each stock model's passes of these numbers of tokens too "
+                                                     "(2 or more, comma-separated), logits for every token")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=30)
     a = ap.parse_args()
@@ -55,6 +61,14 @@ def main() -> None:
         ap.error(f"--rows {a.rows!r}: expected numbers of tokens separated by commas, e.g. 1,2,4")
     if not 1 <= rows[0] <= rows[-1] <= 64:
         ap.error(f"--rows {a.rows!r}: each must be between 1 and 64")
+    try:
+        stock_rows = sorted({int(r) for r in a.stock_rows.split(",")}) if a.stock_rows.strip() else []
+    except ValueError:
+        ap.error(f"--stock-rows {a.stock_rows!r}: expected numbers of tokens separated by commas, e.g. 2,3")
+    if stock_rows and not 2 <= stock_rows[0] <= stock_rows[-1] <= 64:
+        ap.error(f"--stock-rows {a.stock_rows!r}: each must be between 2 and 64 (one token is the stock pass itself)")
+    if stock_rows and not a.models:
+        ap.error("--stock-rows needs at least one GGUF file")
     for m in a.models:
         if not m.is_file():
             ap.error(f"{m}: model file not found")
@@ -71,6 +85,23 @@ def main() -> None:
             closers.append(llm.close)
             llm.eval(llm.tokenize(prompt_text))
             runners.append((m.name, lambda i, llm=llm: llm.eval([100 + i]), weight_bytes(m)))
+            if stock_rows:
+                from llama_cpp import Llama
+
+                # batches of up to max(stock_rows) tokens, logits for each; the cache is cut back to the
+                # prompt before every pass (eval drops what lies past n_tokens)
+                big = Llama(model_path=str(m), n_ctx=512, n_batch=stock_rows[-1], n_ubatch=stock_rows[-1],
+                            n_threads=a.threads, logits_all=True, verbose=False)
+                closers.append(big.close)
+                big.eval(big.tokenize(prompt_text))
+                plen = big.n_tokens
+
+                def stock_pass(i: int, n: int, big=big, plen=plen) -> None:
+                    big.n_tokens = plen
+                    big.eval([100 + i + j for j in range(n)])
+
+                for n in stock_rows:
+                    runners.append((f"{m.name}, {n} tokens", lambda i, n=n, f=stock_pass: f(i, n), weight_bytes(m)))
         if a.split is not None:
             from bitsplit_llama.runtime.verifier import SplitModel
 
