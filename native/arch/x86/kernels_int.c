@@ -26,6 +26,7 @@
 #include "bitsplit.h"
 #include "bs_internal.h"
 #include "prefetch.h"
+#include "q3k_scales.h"
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,bmi2")))
 #define QK 256
@@ -163,11 +164,9 @@ TGT static void dec_q2_K(const uint8_t * b, wblock * w) {
 }
 
 TGT static void dec_q3_K(const uint8_t * b, wblock * w) {
-    int8_t sc[16];
-    bs_q3k_scales(b + 96, sc);
     const float d = h2f(b + 108);
     const __m512 D16 = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_sub_epi32(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)), _mm512_set1_epi32(32))));
+        _mm512_cvtepi8_epi32(bs_q3k_scales_v(b + 96)), _mm512_set1_epi32(32))));
     w->O = _mm512_mul_ps(_mm512_set1_ps(-4.0f), D16);
     w->single = false;
     const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);

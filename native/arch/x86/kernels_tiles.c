@@ -25,6 +25,7 @@
 
 #include "bitsplit.h"
 #include "bs_internal.h"
+#include "q3k_scales.h"
 
 #define TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2")))
 #define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2,amx-tile,amx-bf16")))
@@ -383,11 +384,9 @@ TGT_AVX512 static void bf16_q3_K(const uint8_t * row, int64_t k0, int64_t n_el, 
     const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
     for (int64_t sb = 0; sb < n_el / QK; sb++) {
         const uint8_t * b = row + (size_t)(k0 / QK + sb) * 110;
-        int8_t sc[16];
-        bs_q3k_scales(b + 96, sc);
         const float d = h2f(b + 108);
         const __m512 D = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_sub_epi32(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)), _mm512_set1_epi32(32))));
+            _mm512_cvtepi8_epi32(bs_q3k_scales_v(b + 96)), _mm512_set1_epi32(32))));
         __m512i tables[4];
         for (int t = 0; t < 4; t++) {
             const __m512 Dp = _mm512_permutexvar_ps(_mm512_add_epi32(sbl, _mm512_set1_epi32(4 * t)), D);
