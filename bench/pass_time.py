@@ -84,7 +84,8 @@ def main() -> None:
             llm = stock_llama(m, n_ctx=512, n_threads=a.threads)
             closers.append(llm.close)
             llm.eval(llm.tokenize(prompt_text))
-            runners.append((m.name, lambda i, llm=llm: llm.eval([100 + i]), weight_bytes(m)))
+            wb = weight_bytes(m)
+            runners.append((m.name, lambda i, llm=llm: llm.eval([100 + i]), wb))
             if stock_rows:
                 from llama_cpp import Llama
 
@@ -101,7 +102,7 @@ def main() -> None:
                     big.eval([100 + i + j for j in range(n)])
 
                 for n in stock_rows:
-                    runners.append((f"{m.name}, {n} tokens", lambda i, n=n, f=stock_pass: f(i, n), weight_bytes(m)))
+                    runners.append((f"{m.name}, {n} tokens", lambda i, n=n, f=stock_pass: f(i, n), wb))
         if a.split is not None:
             from bitsplit_llama.runtime.verifier import SplitModel
 
