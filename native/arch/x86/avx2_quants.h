@@ -70,7 +70,7 @@ INL void prep(int t, ustate * s, const uint8_t * b) {
             break;
         }
         case T_Q3_K: {
-            scales16(_mm_sub_epi8(bs_q3k_scales_v(b + 96), _mm_set1_epi8(32)), h2f(b + 108), -4.0f, s->D, s->O);
+            scales16(bs_q3k_scales_v(b + 96), h2f(b + 108), -4.0f, s->D, s->O);
             break;
         }
         case T_Q4_K:
@@ -235,7 +235,7 @@ INL void iscales(int t, const uint8_t * b, __m256i * S, float * d, float * O) {
         case T_Q6_K: { /* O = -4 d sc (Q3_K), -32 d sc (Q6_K) */
             __m128i v;
             if (t == T_Q3_K) {
-                v = _mm_sub_epi8(bs_q3k_scales_v(b + 96), _mm_set1_epi8(32));
+                v = bs_q3k_scales_v(b + 96);
                 *d = h2f(b + 108);
             } else {
                 v = _mm_loadu_si128((const __m128i *)(b + 192));

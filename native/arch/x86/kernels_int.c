@@ -165,8 +165,7 @@ TGT static void dec_q2_K(const uint8_t * b, wblock * w) {
 
 TGT static void dec_q3_K(const uint8_t * b, wblock * w) {
     const float d = h2f(b + 108);
-    const __m512 D16 = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_sub_epi32(
-        _mm512_cvtepi8_epi32(bs_q3k_scales_v(b + 96)), _mm512_set1_epi32(32))));
+    const __m512 D16 = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bs_q3k_scales_v(b + 96))));
     w->O = _mm512_mul_ps(_mm512_set1_ps(-4.0f), D16);
     w->single = false;
     const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);

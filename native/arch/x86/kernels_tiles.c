@@ -385,8 +385,7 @@ TGT_AVX512 static void bf16_q3_K(const uint8_t * row, int64_t k0, int64_t n_el, 
     for (int64_t sb = 0; sb < n_el / QK; sb++) {
         const uint8_t * b = row + (size_t)(k0 / QK + sb) * 110;
         const float d = h2f(b + 108);
-        const __m512 D = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_sub_epi32(
-            _mm512_cvtepi8_epi32(bs_q3k_scales_v(b + 96)), _mm512_set1_epi32(32))));
+        const __m512 D = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bs_q3k_scales_v(b + 96))));
         __m512i tables[4];
         for (int t = 0; t < 4; t++) {
             const __m512 Dp = _mm512_permutexvar_ps(_mm512_add_epi32(sbl, _mm512_set1_epi32(4 * t)), D);
