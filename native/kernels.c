@@ -224,11 +224,25 @@ static const bs_kernel_family * const order_large[] = {
  * 8,12,16,24,32 --residual-only, one process, medians of 3, ms per pass 257 / 289 / 338 / 402 / 495
  * against avx2-int16's 261 / 340 / 420 / 538 / 844, avx512-bf16's 407 / 404 / 425 / 490 / 651,
  * avx2-f32's 310 / 431 / 459 / 636 / 883 and vnni-int24's 262 / 500 / 512 / 762 / 1169.
+ * Since avx512vnni-int16's W2 + R decodes each row again for every 4 columns at every batch (no
+ * longer the one-column buffered loop past 6) and takes vpdpwssd at 3-4 columns, it leads every
+ * family to 12 columns here: python bench/residual_speed.py SPLIT --batches 4,5,6,8,10,12,16,24,32
+ * --repeat 3 --kernel avx512vnni-int16,vnni-int24,avx2-f32,avx512-bf16,avx2-int16, two runs, time
+ * against avx512vnni-int16's (179 / 210 / 236 / 277 / 350 / 408 / 554 / 842 / 1091 ms in the second):
+ *   columns           4    5    6    8   10   12   16   24   32
+ *   vnni-int24     1.36 1.17 1.37 1.42 0.94 1.26 1.16 1.39 1.41
+ *                  1.57 1.37 1.33 1.39 1.51 1.40 1.22 1.16 1.22
+ *   avx2-f32       1.74 1.26 1.52 1.35 0.86 1.16 1.09 0.81 0.86
+ *                  1.90 2.02 1.48 1.39 1.18 1.13 0.90 0.80 0.75
+ *   avx512-bf16    2.62 2.27 2.37 2.28 1.24 1.50 1.17 0.92 0.70
+ *                  3.03 2.59 2.45 2.03 1.75 1.67 1.12 0.83 0.69
+ * So avx512vnni-int16 first to HR_INT16W_MAX = 12 in both half-rate orders (vnni-int24, whose limit
+ * is lower, no longer leads where avx512vnni-int16 runs), then avx2-f32 to 16, avx512-bf16 above.
  * BITSPLIT_HALF_RATE_512=1 / 0 forces this order on or off (a CPU this test misjudges: a Zen 5 with
  * a 256-bit data path, say). */
 #define HR_INT16_MAX 4
 #define HR_INT16_ALONE_MAX 16
-#define HR_INT16W_MAX 6       /* avx512vnni-int16: W2 + R to 6 columns, R alone to 32 (below) */
+#define HR_INT16W_MAX 12      /* avx512vnni-int16: W2 + R to 12 columns, R alone to 32 (below) */
 #define HR_INT16W_ALONE_MAX 32
 #define HR_VNNI_MAX 10
 #define HR_F32_MAX 16
@@ -238,8 +252,8 @@ static const bs_kernel_family * const order_small_hr[] = {
     &bs_family_amx_bf16, &bs_family_avx512_bf16, &bs_family_avx2_f32, &generic_family,
 };
 static const bs_kernel_family * const order_large_hr[] = {
-    &bs_family_amx_bf16, &bs_family_vnni_int24, &bs_family_avx2_f32, &bs_family_avx512_bf16,
-    &bs_family_avx512vnni_int16, &bs_family_avxvnni_int16, &bs_family_avx2_int16, &generic_family,
+    &bs_family_avx512vnni_int16, &bs_family_amx_bf16, &bs_family_vnni_int24, &bs_family_avx2_f32,
+    &bs_family_avx512_bf16, &bs_family_avxvnni_int16, &bs_family_avx2_int16, &generic_family,
 };
 _Static_assert(sizeof(order_small_hr) == sizeof(order_small) && sizeof(order_large_hr) == sizeof(order_small),
                "the half-rate orders hold every family");

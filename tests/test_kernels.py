@@ -412,8 +412,9 @@ def _policy_table(env_extra: dict, batches) -> tuple[bool, list, list, list, str
 def test_half_rate_512_order():
     """Where 512-bit operations run at half rate (AMD Zen 4, or BITSPLIT_HALF_RATE_512=1), the
     256-bit integer family takes W2 + R to 4 columns and R alone to 16 (avx512vnni-int16, where it
-    runs: W2 + R to 6, R alone to 32), vnni-int24 W2 + R from 5 (7) to
-    10 columns, avx2-f32 to 16, and an AVX-512 family the rest; =0 gives the built-in order, and under an AVX2
+    runs: W2 + R to 12, R alone to 32), vnni-int24 W2 + R from 5 to 10 columns (where
+    avx512vnni-int16 does not run), avx2-f32 to 16 (amx-bf16 where it runs), and an AVX-512 family
+    the rest; =0 gives the built-in order, and under an AVX2
     cap the forced order changes nothing (no AVX-512 family to put behind). Testable on every x86
     CPU: the override stands in for the CPUID test."""
     if "avx2-f32" not in policy.families():
@@ -434,9 +435,9 @@ def test_half_rate_512_order():
     assert hr is True
     int16 = "avxvnni-int16" if "avxvnni-int16" in fams else "avx2-int16"
     mid = "vnni-int24" if "vnni-int24" in fams else "avx2-f32"
-    if "avx512vnni-int16" in fams:  # 1, 2, 4, 5, 6 columns; R alone to 32
+    if "avx512vnni-int16" in fams:  # W2 + R to 12 columns; R alone to 32
         first = "avx512vnni-int16"
-        assert with_base == [first] * 5 + [mid] * 2 + ["avx2-f32"] * 2 + [wide[0]] * 3
+        assert with_base == [first] * 8 + [wide[0] if "amx-bf16" in fams else "avx2-f32"] + [wide[0]] * 3
         assert alone == [first] * 11 + [wide[0]]
     else:
         first = int16

@@ -28,12 +28,14 @@
  * in the per-half scaling and the offsets (sums of 16 X, per unit), always in the same order, so a
  * column's result never depends on the rest of the batch.
  *
- * Memory: one row at a time. Up to FUSED_COLS columns, each pair of columns (with AVX-512's 32
- * registers and the base in the product, each set of up to FUSED_WIDE = 4) runs over the whole
- * row, decoding each unit in registers and applying it to each of its columns, their totals in
- * registers (the row's blocks are in L1/L2 after the first set, which prefetches them and keeps
- * each unit's decoded scales for the others); above that, each unit is decoded once into an L1
- * buffer and applied to every column. Each weight block is read from memory once per product.
+ * Memory: one row at a time. For W2 + R at every batch size, and for the other products up to
+ * FUSED_COLS columns, each pair of columns (with AVX-512's 32 registers and the base in the
+ * product, each set of up to FUSED_WIDE = 4) runs over the whole row, decoding each unit in
+ * registers and applying it to each of its columns, their totals in registers (the row's blocks
+ * are in L1/L2 after the first set, which prefetches them and keeps each unit's decoded scales for
+ * the others); above that, each unit is decoded once into an L1 buffer and applied to every
+ * column (and with AVX-512, R alone from TILE_MIN_COLS in tiles of rows). Each weight block is
+ * read from memory once per product.
  */
 #if defined(__x86_64__)
 
@@ -61,7 +63,14 @@
 #include "avx2_quants.h"
 #include "prefetch.h"
 
-#define FUSED_COLS 6   /* up to here each pair of columns decodes the row again, in registers */
+/* Up to here each set of columns decodes the row again, in registers, for the residual alone, the
+ * drafter and the exact weights; W2 + R does so at every batch size. Measured on a 2-core Zen 4
+ * (python bench/native_ab.py, Qwen2.5-Coder-1.5B q6_k split, W2 + R, bit-identical), the row
+ * decoded again for every set against the one-column buffered loop: time 0.696 / 0.711 / 0.712 /
+ * 0.718 / 0.711 at 7 / 8 / 9 / 12 / 16 columns with avx512vnni-int16 (sets of 4), 0.928 / 0.857 /
+ * 0.869 / 0.876 at 7 / 8 / 12 / 16 with avx2-int16 (pairs); R alone with avx2-int16 1.05 / 1.05 /
+ * 0.99 / 1.08 at 7 / 8 / 12 / 16 (noisy), so the residual alone keeps this limit */
+#define FUSED_COLS 6
 /* With AVX-512's 32 registers, the residual alone (add mode) from TILE_MIN_COLS columns takes its
  * rows TILE_ROWS at a time: each unit of the tile's rows decoded into L1 buffers, then per pair of
  * columns whose blocks take the high digit alone, the TILE_ROWS x 2 sums in registers (each digit
@@ -231,7 +240,7 @@ INL void decode_group(int t, const uint8_t * p, __m256i S, int g, unit_sc * h, _
 /* the running sums of one half for one column over a unit */
 typedef struct {
     __m256i il, ih; /* superblock types: sum G u X of the low and high digits */
-    __m256i jl, jh; /* the same over the odd groups, where two chains are kept (apply_group's chains2) */
+    __m256i jl, jh; /* the same over the odd groups, where two chains are kept (apply_group's chains) */
     __m256 f[2];    /* block-32 types: sum D u X, two chains (even, odd groups) */
 } sums;
 
@@ -240,10 +249,11 @@ INL void sums_init(sums * a) {
     a->f[0] = a->f[1] = _mm256_setzero_ps();
 }
 
-/* one group of one half for one column; chains2: W2 + R's pass at 1-2 columns (verifying, both digits) */
+/* one group of one half for one column; chains (the EVEX compilation alone; both digits, verifying
+ * with the base): 2 at W2 + R's 1-2 columns, 1 at 3-4, 0 otherwise (fused_group) */
 INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G, __m256 D, const int8_t * d0,
-                     const int8_t * d1, sums * a, bool chains2) {
-    (void)chains2; /* used by the EVEX compilation alone */
+                     const int8_t * d1, sums * a, int chains) {
+    (void)chains; /* used by the EVEX compilation alone */
     __m256i e0 = _mm256_loadu_si256((const __m256i *)d0);
     if (t == T_Q8_0) e0 = _mm256_sign_epi8(e0, q);
     if (superblock(t)) {
@@ -261,7 +271,19 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
             return;
         }
 #ifdef BS_INT16_EVEX
-        if (chains2 && !coarse) {
+        if (chains == 1 && !coarse) {
+            /* 3-4 columns with the base: vpdpwssd into one chain per digit, the same integers as
+             * vpmaddwd + vpaddd in one instruction; the other columns' chains cover its latency.
+             * Measured on a 2-core Zen 4 (python bench/native_ab.py, Qwen2.5-Coder-1.5B q6_k split,
+             * W2 + R, avx512vnni-int16, bit-identical): time 0.927 / 0.924 / 0.936 at 3 / 4 / 5
+             * columns (7 rounds), 0.948 / 0.936 / 0.952 / 0.928 at 3 / 4 / 5 / 6 (9 rounds); in the
+             * one-column buffered loop (no other chains) 1.02-1.06 at 7-16 columns, so not there */
+            a->il = DPWSSD(a->il, _mm256_maddubs_epi16(u, e0), G);
+            a->ih = DPWSSD(a->ih, _mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)d1)), G);
+            __asm__("" : "+x"(a->il), "+x"(a->ih));
+            return;
+        }
+        if (chains == 2 && !coarse) {
             /* W2 + R at 1-2 columns: vpdpwssd, vpmaddwd and vpaddd in one (the same integers), into
              * two chains per digit (even and odd groups, summed at the unit's end), which halve its
              * latency through the unit. Measured on a 2-core Zen 4 (python bench/native_ab.py,
@@ -316,11 +338,11 @@ typedef struct {
 /* one group of the residual for one column: the high digit alone where hi (the column's block
  * allows it; a constant where inlined: decided per unit, outside the groups' loop) */
 INL void apply_r(int t, bool coarse, bool hi, int g, __m256i u, __m256i q, __m256i G, __m256 D, const colp * a,
-                 sums * s, bool chains2) {
+                 sums * s, int chains) {
     if (coarse || !hi) {
-        apply_group(t, coarse, g, u, q, G, D, a->d0 + 32 * g, a->d1 + 32 * g, s, chains2);
+        apply_group(t, coarse, g, u, q, G, D, a->d0 + 32 * g, a->d1 + 32 * g, s, chains);
     } else {
-        apply_group(t, true, g, u, q, G, D, a->d1 + 32 * g, NULL, s, false);
+        apply_group(t, true, g, u, q, G, D, a->d1 + 32 * g, NULL, s, 0);
     }
 }
 
@@ -378,17 +400,17 @@ INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m
                      bool h1) {
     __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
     __m256 D = _mm256_setzero_ps();
-    /* two chains per digit with the base, verifying, at 1-2 columns (apply_group; with both digits
-     * of every column: the residual's high digit alone is for R alone) */
-    const bool two = ncb <= 2 && bt != T_NONE && !coarse;
+    /* with the base, verifying (both digits of every column: the residual's high digit alone is for
+     * R alone): two chains per digit at 1-2 columns, one vpdpwssd chain at 3-4 (apply_group) */
+    const int chains = bt != T_NONE && !coarse ? (ncb <= 2 ? 2 : 1) : 0;
     if (bt != T_NONE) {
         decode_group(bt, bp, Sb, g, hb, &u, &q, &G, &D);
-        for (int j = 0; j < ncb; j++) apply_group(bt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ab[j], two);
+        for (int j = 0; j < ncb; j++) apply_group(bt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ab[j], chains);
     }
     if (rt != T_NONE) {
         decode_group(rt, rp, Sr, g, hr, &u, &q, &G, &D);
         /* the residual: the high digit alone (8-bit activations) in a verify pass */
-        for (int j = 0; j < ncb; j++) apply_r(rt, coarse, j == 0 ? h0 : h1, g, u, q, G, D, &a[j], &ar[j], two);
+        for (int j = 0; j < ncb; j++) apply_r(rt, coarse, j == 0 ? h0 : h1, g, u, q, G, D, &a[j], &ar[j], chains);
     }
 }
 
@@ -498,8 +520,8 @@ INL __m256 buffered_unit(int bt, int rt, int ng, const unit_buf * b, const unit_
     sums_init(&ab);
     sums_init(&ar);
     _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-        if (bt != T_NONE) apply_group(bt, coarse, g, b->u[g], b->q[g], b->G[g], b->D[g], a->d0 + 32 * g, a->d1 + 32 * g, &ab, false);
-        if (rt != T_NONE) apply_r(rt, coarse, hi, g, e->u[g], e->q[g], e->G[g], e->D[g], a, &ar, false);
+        if (bt != T_NONE) apply_group(bt, coarse, g, b->u[g], b->q[g], b->G[g], b->D[g], a->d0 + 32 * g, a->d1 + 32 * g, &ab, 0);
+        if (rt != T_NONE) apply_r(rt, coarse, hi, g, e->u[g], e->q[g], e->G[g], e->D[g], a, &ar, 0);
     }
     __m256 v = _mm256_setzero_ps();
     if (bt != T_NONE) v = sums_end(bt, coarse, false, ng, &ab, &b->sc, a->xs16);
@@ -638,7 +660,7 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
         const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)r * job->r_row_bytes : NULL;
         const uint8_t * bend = bt != T_NONE ? job->w2 + (size_t)r1 * job->w2_row_bytes : NULL;
         const uint8_t * rend = rt != T_NONE ? job->r + (size_t)r1 * job->r_row_bytes : NULL;
-        if (nc <= FUSED_COLS) {
+        if (nc <= FUSED_COLS || (bt != T_NONE && rt != T_NONE)) {
             /* straight from registers, two (FUSED_WIDE) columns at a time, each set over the whole
              * row (the row's blocks are in L1/L2 after the first): the set's totals are locals, kept
              * in registers across the units, instead of an array in memory stored and read back
@@ -715,8 +737,8 @@ const bs_kernel_family bs_family_avx512vnni_int16 = {
     2,
     /* avxvnni-int16's integers (so avx2-int16's results, bit for bit) with EVEX's 32 registers,
      * which let one decoding of a row serve 4 columns (FUSED_WIDE). Preferred where 512-bit
-     * operations run at half rate (Zen 4), to 6 columns there (HR_INT16W_MAX in kernels.c); after
-     * the full-rate AVX-512 families elsewhere (not measured on such a CPU) */
+     * operations run at half rate (Zen 4), to 12 columns there (HR_INT16W_MAX in kernels.c); after
+     * the full-rate AVX-512 families elsewhere, to 6 columns (not measured on such a CPU) */
     6,
     /* R alone: avx2-int16's pairs to 8 columns, then tiles of 4 rows (TILE_MIN_COLS), to 32 */
     .alone_max_cols = 32,
