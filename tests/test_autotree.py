@@ -30,6 +30,12 @@ def test_engine_measurements_leave_the_cache_as_they_found_it(tiny_split):
         assert g.sm.residual.kernel == before
         counts = eng.rank_profile([PROMPT], 12, TreeShape(4, 2, 2))
         assert len(counts) == autotree.CANDIDATES_PER_NODE + 1 and sum(counts) > 0
+        # one record per verify cycle: the drafter's own chain through each tree (2 rounds: <= 2
+        # probabilities), how far the verifier followed it; fewer tokens followed than emitted
+        paths = eng.chain_paths
+        assert paths and all(1 <= len(r) <= 3 and 0 <= r[0] <= len(r) - 1 for r in paths)
+        assert all(0 < p <= 1 for r in paths for p in r[1:])
+        assert sum(r[0] for r in paths) <= 12 - len(paths) + 1
         assert eng.n_past == 0 and g.sm.ctx.seq_pos_max(0) == -1  # rank_profile clears the cache
 
 
@@ -44,7 +50,9 @@ def test_auto_tree_is_measured_once_and_keeps_the_verifiers_tokens(tiny_split, t
         spec = g.generate(PROMPT, max_tokens=32, sampling=SamplingParams()).tokens
         plain = g.generate(PROMPT, max_tokens=32, speculative=False).tokens
         assert spec == plain
-    assert list((tmp_path / "autotree").glob("*.json"))
+    cached = list((tmp_path / "autotree").glob("*.json"))
+    chains = json.loads(cached[0].read_text())["chains"]  # the calibration's cycles, for the chains
+    assert chains and choice["chain_paths"] == (len(chains) if len(chains) >= autotree.PATH_MIN_CYCLES else 0)
     said.clear()
     with Generator(tiny_split, n_ctx=512, tree_nodes="auto", log=said.append) as g2:
         assert not any("measuring" in s for s in said)  # the cached profile
@@ -141,6 +149,40 @@ def test_a_near_tie_goes_to_the_shape_with_fewer_nodes():
     clear = autotree.Profile(verify, {1: 9.7, 2: 14.0, 4: 18.1}, probs, 150.1)
     shape, tps, table = autotree.choose(clear)
     assert shape == table[0][0] and shape.nodes >= 2
+
+
+def test_draft_stops_price_chains_from_the_calibrations_paths():
+    """Chains are priced from the calibration's cycles as the engine would run them under
+    --draft-stop: a second node is drafted only while the drafter's path probability holds the stop
+    mass, and a cycle that stops costs a drafting pass and a 2-row verify. Where the drafter is
+    unsure exactly where the verifier goes elsewhere, the stops make the 2-node chain the better one
+    (on a 2-core Zen 4, bench measured a 2-node chain at 1.04-1.06x stock Q8_0 with the stops, the
+    1-node chain the model without them chose at 0.93-1.00x)."""
+    verify = {2: 97.0, 3: 119.0, 4: 150.0, 5: 190.0, 7: 300.0, 9: 380.0, 13: 480.0, 17: 515.0, 25: 700.0}
+    draft = {1: 39.0, 2: 52.0, 4: 68.0}
+    rank = [0.7, 0.1, 0.04, 0.01]
+    # 35% of cycles: the drafter unsure of its first token (0.25), and wrong; else sure and right twice
+    paths = [[0.0, 0.25, 0.6, 0.5]] * 35 + [[2.0, 0.97, 0.97, 0.9]] * 65
+    prof = autotree.Profile(verify, draft, rank, 97.0, {}, paths)
+    chain1, chain2 = TreeShape(1, 1, 1), TreeShape(2, 1, 2)
+    assert autotree.expected(chain1, prof) == pytest.approx((1.65, (39.0 + 97.0) / 1000))
+    # never stopping: both nodes drafted and verified in every cycle
+    assert autotree.expected(chain2, prof) == pytest.approx((2.30, (2 * 39.0 + 119.0) / 1000))
+    # a mass above every path probability: always one node, the 1-node chain's cycle
+    assert autotree.expected(chain2, prof, stop=0.99) == pytest.approx(autotree.expected(chain1, prof))
+    # auto: the mass (a drafting pass over the time per token, ~0.5) stops the unsure cycles only
+    tok, sec = autotree.expected(chain2, prof, stop="auto")
+    assert (tok, sec) == pytest.approx((2.30, (0.35 * (39.0 + 97.0) + 0.65 * (2 * 39.0 + 119.0)) / 1000))
+    assert autotree.choose(prof)[0] == chain1
+    assert autotree.choose(prof, draft_stop="auto")[0] == chain2
+    # without paths (an old profile) or past the calibration's depth: the rank model, no stops
+    assert autotree.choose(autotree.Profile(verify, draft, rank, 97.0), draft_stop="auto")[0] == chain1
+    assert not autotree.priced_from_paths(TreeShape(4, 1, 4), prof)
+    assert not autotree.priced_from_paths(TreeShape(2, 2, 1), prof)
+    assert not autotree.priced_from_paths(chain2, autotree.Profile(verify, draft, rank, 97.0, {}, paths[:10]))
+    # a generation pins the family of its full pass: a stopped cycle's 2-row pass is timed in it
+    fam = autotree.Profile(verify, draft, rank, 97.0, {"a": {2: 90.0, 3: 200.0}, "b": {2: 100.0, 3: 110.0}}, paths)
+    assert autotree.expected(chain2, fam, stop=0.99)[1] == pytest.approx((39.0 + 100.0) / 1000)
 
 
 def test_profile_takes_the_fastest_family_per_pass_size():

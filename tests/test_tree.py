@@ -97,6 +97,32 @@ def test_builder_grows_best_first_and_respects_budget():
     assert len(b.tree) == 5 and b.next_round() == []
 
 
+def test_the_drafters_own_chain_survives_pruning_and_reordering():
+    """top_chain: the chain a 1-wide drafter would have drafted, read from a wider tree (what the
+    auto tree prices --draft-stop's early stops from), through best() and dfs()."""
+    from bitsplit_llama.speculative.engine import chain_record
+
+    b = TreeBuilder(root_token=7, width=2, max_nodes=6)
+    b.offer(ROOT, [1, 2], [np.log(0.6), np.log(0.4)])
+    b.next_round()                                   # 0: token 1 (0.6), 1: token 2 (0.4)
+    b.offer(0, [3, 4], [np.log(0.5), np.log(0.5)])   # 0.30, 0.30
+    b.offer(1, [5, 6], [np.log(0.95), np.log(0.05)])  # 0.38, 0.02
+    b.next_round()                                   # token 5 (0.38), token 3 (0.30)
+    b.offer(3, [8], [np.log(0.7)])                   # under token 3 (node 3): the chain's third
+    t = b.tree.best(5).dfs()
+    chain = t.top_chain()
+    assert [t.nodes[i].token for i, _ in chain if i >= 0] == [1, 3]
+    assert [round(p, 6) for _, p in chain] == [0.6, 0.5, 0.7] and chain[-1][0] == -1  # 8 never added
+    one = {t.nodes[i].token: i for i in range(len(t))}
+    # the verifier followed the chain twice, then emitted 8: the chain would have taken it too
+    assert chain_record(t, [one[1], one[3]], 8) == [3.0, 0.6, 0.5, 0.7]
+    assert chain_record(t, [one[1], one[3]], 9) == [2.0, 0.6, 0.5, 0.7]
+    assert chain_record(t, [one[2], one[5]], 0) == [0.0, 0.6, 0.5, 0.7]  # another branch: a miss
+    assert chain_record(t, [one[1]], 4) == [1.0, 0.6, 0.5, 0.7]
+    assert chain_record(t, [], 2) == [0.0, 0.6, 0.5, 0.7]
+    assert DraftTree(0).top_chain() == []
+
+
 def test_top_candidates_orders_and_clips():
     lp = np.log(np.array([0.1, 0.5, 0.05, 0.35]))
     ids, vals = top_candidates(lp, 3)

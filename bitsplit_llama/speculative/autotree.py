@@ -19,7 +19,10 @@ Each candidate shape is then grown exactly as the engine grows trees, with those
 probabilities standing in for the drafter's, which gives its expected tokens per cycle
 (1 + the sum over nodes of the probability of reaching and accepting them) and its cost per cycle
 (drafter passes + one verifier pass). The best expected tokens/s wins, plain decoding included
-(the idea behind Sequoia's hardware-aware trees).
+(the idea behind Sequoia's hardware-aware trees). Chains as deep as the calibration's tree are
+priced from its cycles instead (:func:`_chain_from_paths`): the drafter's own chain through each
+tree, how sure it was along it and how far the verifier followed it, replayed under the engine's
+``--draft-stop``, whose early stops the rank model cannot see.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Callable
 from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape, kernel_pinned_by_env, n_seq_max_for
 from .tree import ROOT, TreeBuilder
 
-PROFILE_VERSION = 2  # 2: verify passes timed per kernel family (family_ms)
+PROFILE_VERSION = 3  # 2: verify passes timed per kernel family (family_ms); 3: the calibration's chain paths
 VERIFY_BATCHES = (2, 3, 4, 5, 7, 9, 13, 17, 25)
 DRAFT_BATCHES = (1, 2, 4)
 CALIBRATION_PROMPTS = (
@@ -71,13 +74,19 @@ class Profile:
     plain_ms: float
     # verify pass times per kernel family ({family: {rows: ms}}); empty: verify_ms, the policy's family
     family_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    # one entry per verify cycle of the calibration: [lead, p1, p2, ...] (engine.chain_record): how
+    # far the verifier followed the drafter's own chain, and how sure the drafter was along it
+    chains: list[list[float]] = field(default_factory=list)
 
-    def verify(self, rows: int, prefer: Callable[[int], str | None] | None = None) -> float:
-        """A verify pass of ``rows`` rows with the family :meth:`kernel` pins for it (``prefer``
-        gives the policy's family per size, as to :meth:`kernel`); without per-family times, the
-        policy's family's."""
+    def verify(self, rows: int, prefer: Callable[[int], str | None] | None = None,
+               pinned_for: int | None = None) -> float:
+        """A verify pass of ``rows`` rows with the family :meth:`kernel` pins for passes of
+        ``pinned_for`` rows (default ``rows``; a generation pins the family of its tree's full pass
+        for all its passes), ``prefer`` giving the policy's family per size, as to :meth:`kernel`;
+        without per-family times, the policy's family's."""
         if self.family_ms:
-            return _interp(self.family_ms[self.kernel(rows, prefer(rows) if prefer else None)], rows)
+            pin = rows if pinned_for is None else pinned_for
+            return _interp(self.family_ms[self.kernel(pin, prefer(pin) if prefer else None)], rows)
         return _interp(self.verify_ms, rows)
 
     def kernel(self, rows: int, prefer: str | None = None) -> str | None:
@@ -186,13 +195,70 @@ def cache_path(base_fingerprint: str, threads: int, setup: str = "") -> Path:
     return cache_dir() / "autotree" / f"{base_fingerprint[:16]}-{_machine_key(threads, setup)}.json"
 
 
+# Chains are priced from the calibration's own cycles (Profile.chains) up to the depth its tree
+# drafted, given at least this many cycles; longer chains, trees, and profiles without paths by the
+# rank model.
+PATH_DEPTH = 3
+PATH_MIN_CYCLES = 20
+
+
+def _chain_from_paths(n: int, prof: Profile, prefer: Callable[[int], str | None] | None,
+                      stop: str | float | None) -> tuple[float, float]:
+    """(tokens, seconds) per cycle of an ``n``-node chain, averaged over the calibration's cycles as
+    such a chain would have run them: the drafter drafts node j + 1 only while the path probability
+    of nodes 1..j (its own) is at least the stop mass (``--draft-stop``: a fixed one; "auto" the
+    engine's rule, a drafting pass's time over the time per emitted token, solved here by
+    iteration; None never stops), a cycle of k drafted nodes costs k drafting passes and a verify
+    pass of k + 1 rows, and emits 1 + the verifier's tokens that followed the chain among those k.
+    Taken from whole paths, not per node: the drafter is sure and right, or unsure and wrong,
+    along a chain together (a Zen 4's 2-node chain got 2.61 tokens per verify with the stops, where
+    per-level acceptance multiplied gives 2.55). A probability past a record's end counts as 0 and
+    a token past it as missed (the calibration's tree did not keep that node: it was unlikely)."""
+    d1 = prof.draft(1)
+    verify = [prof.verify(1 + k, prefer, pinned_for=n + 1) for k in range(1, n + 1)]
+    recs = []
+    for r in prof.chains:
+        ps = (list(r[1:]) + [0.0] * n)[:n - 1]
+        recs.append((int(r[0]), [math.prod(ps[:j + 1]) for j in range(n - 1)]))
+
+    def cycle(mass: float) -> tuple[float, float]:
+        tok = ms = 0.0
+        for lead, path in recs:
+            k = n
+            if mass > 0:
+                k = 1 + next((j for j, q in enumerate(path) if q < mass), n - 1)
+            tok += 1 + min(lead, k)
+            ms += k * d1 + verify[k - 1]
+        return tok / len(recs), ms / len(recs)
+
+    if stop == "auto":
+        tok, ms = cycle(0.0)
+        for _ in range(6):  # the mass depends on the time per token it changes
+            tok, ms = cycle(d1 / (ms / tok))
+    else:
+        tok, ms = cycle(float(stop or 0.0))
+    return tok, ms / 1000
+
+
+def priced_from_paths(shape: TreeShape, prof: Profile) -> bool:
+    """Whether :func:`expected` prices ``shape`` from the calibration's paths: chains to its depth
+    (a 1-node tree of any width is the 1-node chain: the best root child, one drafting pass)."""
+    return (shape.width == 1 or shape.nodes == 1) and 1 <= shape.nodes <= PATH_DEPTH \
+        and len(prof.chains) >= PATH_MIN_CYCLES
+
+
 def expected(shape: TreeShape, prof: Profile,
-             prefer: Callable[[int], str | None] | None = None) -> tuple[float, float]:
+             prefer: Callable[[int], str | None] | None = None,
+             stop: str | float | None = None) -> tuple[float, float]:
     """(expected tokens per cycle, expected seconds per cycle) of a shape under the profile, its
     verify pass in the family :meth:`Profile.kernel` pins for its size (``prefer``: the policy's
-    family per size)."""
+    family per size). Chains the calibration drafted as deep are priced from its paths with the
+    engine's ``--draft-stop`` ``stop`` (:func:`_chain_from_paths`); other shapes by the rank
+    model, every round drafted."""
     if shape.nodes == 0:
         return 1.0, prof.plain(prefer) / 1000
+    if priced_from_paths(shape, prof):
+        return _chain_from_paths(shape.nodes, prof, prefer, stop)
     lp = [math.log(max(p, 1e-9)) for p in prof.rank_probs]
     b = TreeBuilder(0, shape.width, shape.nodes + shape.width * 2)
     cost = prof.draft(1)  # the root
@@ -237,15 +303,17 @@ def candidate_shapes(max_nodes: int = 24) -> list[TreeShape]:
 NEAR_TIE = 0.03
 
 
-def choose(prof: Profile, max_nodes: int = 24, prefer: Callable[[int], str | None] | None = None
+def choose(prof: Profile, max_nodes: int = 24, prefer: Callable[[int], str | None] | None = None,
+           draft_stop: str | float | None = None
            ) -> tuple[TreeShape, float, list[tuple[TreeShape, float, float, float]]]:
     """The shape to run, its expected tokens/s, and the table of every candidate
     (shape, tokens per cycle, seconds per cycle, tokens/s), best first. The shape is the best one,
     or the one with the fewest nodes among those within NEAR_TIE of it. ``prefer`` (rows -> the
-    kernel policy's family) prices each verify pass in the family the generation will pin."""
+    kernel policy's family) prices each verify pass in the family the generation will pin;
+    ``draft_stop`` (the engine's) the early stops of chains priced from paths (:func:`expected`)."""
     rows = []
     for shape in candidate_shapes(max_nodes):
-        tok, sec = expected(shape, prof, prefer)
+        tok, sec = expected(shape, prof, prefer, draft_stop)
         rows.append((shape, tok, sec, tok / sec))
     rows.sort(key=lambda r: -r[3])
     tied = [r for r in rows if r[3] >= rows[0][3] * (1 - NEAR_TIE)]
@@ -293,7 +361,7 @@ def _measure(engine: Engine, tokenize: Callable[[str], list[int]], is_stop: Call
     total = max(1, sum(counts))
     rank_probs = [c / total for c in counts[:CANDIDATES_PER_NODE]]
     say("acceptance by drafter rank: " + ", ".join(f"{100 * p:.0f}%" for p in rank_probs))
-    return Profile(verify_ms, draft_ms, rank_probs, plain_ms, family_ms)
+    return Profile(verify_ms, draft_ms, rank_probs, plain_ms, family_ms, list(engine.chain_paths))
 
 
 def candidate_families() -> list[str]:
@@ -332,7 +400,8 @@ def load_or_measure(engine: Engine, tokenize: Callable[[str], list[int]], is_sto
             d = json.loads(path.read_text())
             return Profile({int(k): v for k, v in d["verify_ms"].items()}, {int(k): v for k, v in d["draft_ms"].items()},
                            d["rank_probs"], d["plain_ms"],
-                           {f: {int(k): v for k, v in t.items()} for f, t in d.get("family_ms", {}).items()})
+                           {f: {int(k): v for k, v in t.items()} for f, t in d.get("family_ms", {}).items()},
+                           [[float(x) for x in r] for r in d.get("chains", [])])
         except (OSError, ValueError, KeyError):
             pass
     if log:

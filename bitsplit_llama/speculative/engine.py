@@ -243,6 +243,9 @@ class Engine:
         # when a list, counts of the verifier's token rank among the drafter's candidates at each
         # verified node (index CANDIDATES_PER_NODE: not among them): the acceptance profile
         self.rank_counts: list[int] | None = None
+        # with rank_counts, one entry per verify cycle: [accepted nodes of the drafter's own chain,
+        # then its probabilities along that chain] (chain_record): what --draft-stop acts on, paths kept
+        self.chain_paths: list[list[float]] = []
         self._junk_lane = self.ctx.n_seq_max - 1
         self._dummy_lane = self.ctx.n_seq_max - 2
         # lanes 1..lane_cap: drafting and verifying use at most that many (one per leaf)
@@ -382,7 +385,7 @@ class Engine:
         """Greedy generations of ``prompts`` with trees of ``shape`` (an engine of its own over the same
         model and drafter, with the kernel family of that shape). Returns how often the verifier's
         token was the drafter's first, second, ... candidate at a verified node (last: none of them).
-        Clears this engine's cache."""
+        Each cycle's :func:`chain_record` is left in ``self.chain_paths``. Clears this engine's cache."""
         self.reset()
         calib = Engine(self.sm, shape, drafter=self.drafter)
         calib.rank_counts = [0] * (CANDIDATES_PER_NODE + 1)
@@ -393,6 +396,7 @@ class Engine:
                         pass
             finally:
                 calib.reset()
+        self.chain_paths = calib.chain_paths
         return calib.rank_counts
 
     # -- drafting ---------------------------------------------------------------------------------
@@ -501,6 +505,8 @@ class Engine:
             stats.verify_decode_seconds += time.perf_counter() - td
             accepted, bonus, emitted = accept(tree, lambda row: self._draw_row(tree, ctx, row, sp, rng))
         self._count_residual(c0, stats)
+        if self.rank_counts is not None:
+            self.chain_paths.append(chain_record(tree, accepted, bonus))
         # Keep the root and the accepted path (verifier-written) in sequence 0. A rejected row after
         # the last kept one is freed; one before it is parked in the junk sequence instead: a freed
         # cell would be refilled by a later position, and llama.cpp's attention visits cells in
@@ -629,6 +635,26 @@ class Engine:
             # else parked rows stay (freeing them would mean decoding again what follows them): the
             # next prompt reuses the cache up to them, or room runs short and they go then
             stats.total_seconds += time.perf_counter() - t0
+
+
+def chain_record(tree: DraftTree, accepted: Sequence[int], bonus: int) -> list[float]:
+    """What one verified tree says of the chain a 1-wide drafter would have drafted in its place
+    (:meth:`DraftTree.top_chain`): ``[lead, p1, p2, ...]``, ``lead`` the verifier's tokens that
+    followed that chain before the first miss, ``p`` the drafter's probability of each chain token
+    given the one before (the stops of ``--draft-stop`` compare their products). Where the tree
+    did not keep a chain node, the verifier's token at its parent (the bonus, if the chain got that
+    far) still says whether it would have been accepted; the record ends there."""
+    chain = tree.top_chain()
+    lead = 0
+    for (node, _), a in zip(chain, accepted):
+        if node != a:
+            break
+        lead += 1
+    if lead < len(chain) and chain[lead][0] == -1 and lead == len(accepted):
+        parent = ROOT if lead == 0 else chain[lead - 1][0]
+        if tree.cands[parent][0] == bonus:
+            lead += 1
+    return [float(lead)] + [round(p, 4) for _, p in chain]
 
 
 def parse_draft_stop(value: str | float | None) -> str | float | None:

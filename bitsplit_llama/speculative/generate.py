@@ -98,12 +98,15 @@ class Generator:
                                     "from": "acceptance profile" + (" (its times)" if prof is None else
                                                                     " (this machine's cost curves)")}
             else:
-                self.shape, best_tps, table = autotree.choose(prof, prefer=prefer)
+                self.shape, best_tps, table = autotree.choose(prof, prefer=prefer, draft_stop=draft_stop)
                 fixed16 = next((r for r in table if (r[0].nodes, r[0].width, r[0].rounds) == (16, 4, 7)), None)
                 self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
                                     "expected_tokens_per_second": round(best_tps, 3),
                                     "expected_tokens_per_second_fixed16": round(fixed16[3], 3) if fixed16 else None,
-                                    "rank_probs": prof.rank_probs, "from": "rank model"}
+                                    "rank_probs": prof.rank_probs, "from": "rank model",
+                                    # calibration cycles that priced chains (0: the rank model did)
+                                    "chain_paths": len(prof.chains) if autotree.priced_from_paths(
+                                        TreeShape(1, 1, 1), prof) else 0}
         # plain steps carry two rows; tree passes 1 + nodes. With the auto tree's cost curves, the
         # family measured fastest at that size here (unless one was asked for, or BITSPLIT_KERNEL)
         rows = max(2, self.shape.nodes + 1)

@@ -17,6 +17,7 @@ this the optimal lossless rule: it accepts a child with the verifier's probabili
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -41,6 +42,8 @@ class DraftTree:
         self.root_children: list[int] = []
         # the drafter's ranked candidates at nodes it expanded (ROOT included): for acceptance profiles
         self.cands: dict[int, list[int]] = {}
+        # and the log-probability of its best candidate there (how sure the drafter was)
+        self.top_lp: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -87,6 +90,23 @@ class DraftTree:
                 continue  # cannot happen with non-increasing logp; defensive for hand-made trees
             remap[i] = out.add(n.token, remap[n.parent], n.logp)
         out.cands = {remap[k]: v for k, v in self.cands.items() if k in remap}
+        out.top_lp = {remap[k]: v for k, v in self.top_lp.items() if k in remap}
+        return out
+
+    def top_chain(self) -> list[tuple[int, float]]:
+        """The chain a drafter of width 1 would have drafted under this tree's root: from the root, the
+        best candidate of each expanded node in turn, as (its node index, -1 where the tree did not
+        keep it; the drafter's probability of it given its parent). Ends at the first node not
+        expanded or not kept."""
+        out: list[tuple[int, float]] = []
+        cur = ROOT
+        while self.cands.get(cur) and cur in self.top_lp:
+            tok = self.cands[cur][0]
+            nxt = next((c for c in self.children(cur) if self.nodes[c].token == tok), None)
+            out.append((-1 if nxt is None else nxt, math.exp(self.top_lp[cur])))
+            if nxt is None:
+                break
+            cur = nxt
         return out
 
     def leaves(self) -> list[int]:
@@ -107,6 +127,7 @@ class DraftTree:
         for c in sorted(self.root_children, key=lambda c: (-self.nodes[c].logp, c)):
             visit(c, ROOT)
         out.cands = {remap[k]: v for k, v in self.cands.items() if k in remap}
+        out.top_lp = {remap[k]: v for k, v in self.top_lp.items() if k in remap}
         return out
 
     def layout(self) -> tuple[list[int], list[int], list[list[int]]]:
@@ -184,6 +205,8 @@ class TreeBuilder:
     def offer(self, node: int, tokens: Sequence[int], logps: Sequence[float]) -> None:
         base = 0.0 if node == ROOT else self.tree.nodes[node].logp
         self.tree.cands[node] = [int(t) for t in tokens]
+        if len(logps):
+            self.tree.top_lp[node] = float(logps[0])
         for t, lp in zip(tokens, logps):
             self._seq += 1
             heapq.heappush(self._pool, _Cand(-(base + float(lp)), self._seq, int(t), node))
