@@ -474,7 +474,9 @@ def plan(
     n_ctx: int = typer.Option(8192, "--n-ctx"),
     ram: Optional[float] = typer.Option(None, "--ram", help="System RAM in GB for the residual and the base's layers "
                                         "off the GPU: plans that need more are not chosen (default: not checked)."),
-    tokens_per_verify: Optional[float] = typer.Option(None, "--tokens-per-verify", help="Tokens per verification (default 4.0)."),
+    tokens_per_verify: Optional[float] = typer.Option(None, "--tokens-per-verify", help="Tokens per verification (default 4.0; with --gpu none and none "
+                                                   "of these three given, chains of 1-4 nodes at 0.85 accepted per node "
+                                                   "and a 16-node tree at 4.0 are compared)."),
     rounds: Optional[float] = typer.Option(None, "--rounds", help="Drafter passes per cycle (default 5; bench's "
                                            "JSON gives the measured draft_passes_per_verify)."),
     verify_rows: int = typer.Option(17, "--verify-rows", help="Rows of a verification pass (tree nodes + 1)."),
@@ -546,6 +548,10 @@ def plan(
                        measure=measure, bandwidth_now=bw_now, log=_say)
         if profiles:
             p = plan_with_profile(make, profiles[0][0], profiles[0][1])
+        elif not given and verify_rows == 17:  # nothing given: the sizes a CPU-only run would pick among
+            from .tools.plan import DEFAULT_SIZES_SOURCE, default_profile
+
+            p = plan_with_profile(make, default_profile(), DEFAULT_SIZES_SOURCE, measured=False)
         else:
             p = make(tokens_per_verify=tokens_per_verify, rounds=rounds, verify_rows=verify_rows)
     else:

@@ -121,6 +121,14 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     prof = measure_profile(split, nodes=[0, 1, 4], prompts=PROMPTS[:1], n_tokens=4)
     for r in prof["profile"]:
         r["tokens_per_verify"] = {0: 1.0, 1: 1.5, 4: 45.0}[r["nodes"]]  # 4 nodes wins at these rates
+    # no acceptance profile yet: the sizes a CPU-only run picks among, at an assumed acceptance
+    assert main(["plan", str(split), "--gpu", "none", "--no-measure", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    sizes = p["tree_sizes"]
+    assert [s["nodes"] for s in sizes] == [1, 2, 3, 4, 16] and "assumed" in p["bitsplit"]["tokens_per_verify_source"]
+    assert [s["tokens_per_verify"] for s in sizes[:2]] == pytest.approx([1.85, 1 + 0.85 + 0.85 ** 2])
+    assert [s["rounds"] for s in sizes] == [1, 2, 3, 4, 5]
+    assert p["tree_nodes"] == max(sizes, key=lambda s: s["projected_speedup"])["nodes"]
     write_profile(split, prof)
     # (the machine profile's rates: the split's own products, timed, are test_doctor's)
     assert main(["plan", str(split), "--gpu", "none", "--no-measure", "--json"]) == 0

@@ -22,7 +22,9 @@ where B_* are bandwidths, e_ram the fraction of RAM bandwidth a streaming pass r
 stock Q8_0 reaches here), w_core the residual weights per second one core of this machine computes
 at the verification batch (the native kernels, from this machine's profile: :mod:`.machine`), ``a`` the tokens per verification
 and ``rounds`` the drafter passes per cycle (given, or 4 and 5 by default: about what a 16-node
-tree reaches on code with a small model here; the big model's own acceptance is not measured). The residual and the GPU halves run one after the other
+tree reaches on code with a small model here; the big model's own acceptance is not measured;
+with ``--gpu none`` and nothing given, chains of 1-4 nodes are compared with that tree:
+:func:`default_profile`). The residual and the GPU halves run one after the other
 (the eval callback synchronises at every product).
 """
 
@@ -443,29 +445,51 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
     return out
 
 
-def plan_with_profile(make, prof: dict, source: str, **kw) -> dict:
+#: ``--gpu none`` with no acceptance given: chains of 1-4 nodes at this per-node acceptance, and the
+#: 16-node tree's default figures (4 tokens per verification in 5 drafter passes). Qwen2.5-Coder-1.5B's
+#: drafter had its first candidate taken at 84-86% of verified nodes in the auto tree's calibrations
+#: on the 2-core machines here, where a 1- or 2-node chain is what runs (the auto tree's choice; a
+#: 16-node tree alone projected 0.30x stock Q8_0 where bench measured 1.0x with the chain).
+DEFAULT_ACCEPT = 0.85
+DEFAULT_SIZES_SOURCE = (f"assumed: {DEFAULT_ACCEPT:g} per chain node, 4 per verify at 16 nodes; "
+                        "`bitsplit profile` measures them")
+
+
+def default_profile() -> dict:
+    """The tree sizes a plan with no acceptance given compares (:data:`DEFAULT_ACCEPT`), in the
+    form of an acceptance profile (``bitsplit profile``'s rows)."""
+    rows = [{"nodes": n, "width": 1, "rounds": n, "draft_passes_per_cycle": float(n),
+             "tokens_per_verify": round(sum(DEFAULT_ACCEPT ** k for k in range(n + 1)), 4)} for n in (1, 2, 3, 4)]
+    rows.append({"nodes": 16, "width": 4, "rounds": 7, "draft_passes_per_cycle": 5.0, "tokens_per_verify": 4.0})
+    return {"profile": rows}
+
+
+def plan_with_profile(make, prof: dict, source: str, *, measured: bool = True, **kw) -> dict:
     """``make`` (:func:`make_plan` or :func:`make_cpu_plan`) for every tree size of an acceptance
     profile (``bitsplit profile``): its measured tokens per verification and drafter passes per
     cycle, a verification of nodes + 1 rows; the size with the best projected speedup is the plan,
-    and the JSON lists them all (``tree_sizes``)."""
+    and the JSON lists them all (``tree_sizes``). ``measured=False``: the figures are assumptions
+    (:func:`default_profile`), ``source`` says which."""
     rows = [r for r in prof["profile"] if int(r["nodes"]) > 0]
     if not rows:
         raise InputError(f"{source}: the profile has no tree size above 0 nodes")
+    what = "acceptance profile " if measured else ""
     plans = []
     for r in rows:
         p = make(tokens_per_verify=float(r["tokens_per_verify"]), rounds=max(float(r["draft_passes_per_cycle"]), 1.0),
-                 verify_rows=int(r["nodes"]) + 1, acceptance_source=f"acceptance profile {source}, {r['nodes']} nodes",
+                 verify_rows=int(r["nodes"]) + 1, acceptance_source=f"{what}{source}, {r['nodes']} nodes",
                  **kw)
         plans.append((int(r["nodes"]), p))
     nodes, best = max(plans, key=lambda np_: np_[1]["projected_speedup"])
-    src = f"acceptance profile {source} ({nodes}-node tree, the best of {len(plans)} sizes measured)"
+    src = (f"{what}{source} ({nodes}-node tree, the best of {len(plans)} sizes"
+           + (" measured)" if measured else ")"))
     best["bitsplit"]["tokens_per_verify_source"] = src
     best["bitsplit"]["rounds_source"] = src
     best["tree_nodes"] = nodes
     best["tree_sizes"] = [{"nodes": n, "tokens_per_verify": p["bitsplit"]["tokens_per_verify"],
                            "rounds": p["bitsplit"]["rounds"], "projected_speedup": p["projected_speedup"]}
                           for n, p in plans]
-    best["text"] = best["text"].replace(f"acceptance profile {source}, {nodes} nodes", src) + "\n  tree sizes: " + ", ".join(
+    best["text"] = best["text"].replace(f"{what}{source}, {nodes} nodes", src) + "\n  tree sizes: " + ", ".join(
         f"{n}: {p['projected_speedup']:.2f}x" for n, p in plans)
     return best
 
