@@ -63,6 +63,16 @@ class DraftTree:
     def children(self, i: int) -> list[int]:
         return self.root_children if i == ROOT else self.nodes[i].children
 
+    def child_with(self, i: int, token: int) -> int | None:
+        """The child of node ``i`` (ROOT included) that carries ``token``, if any."""
+        return next((c for c in self.children(i) if self.nodes[c].token == token), None)
+
+    def _carry_drafter_info(self, out: "DraftTree", remap: dict[int, int]) -> None:
+        """Give ``out`` (a copy of this tree renumbered by ``remap``) the drafter's candidates and
+        best-candidate log-probabilities of the nodes it kept."""
+        out.cands = {remap[k]: v for k, v in self.cands.items() if k in remap}
+        out.top_lp = {remap[k]: v for k, v in self.top_lp.items() if k in remap}
+
     def path(self, i: int) -> list[int]:
         """Node indices from the root's child down to i."""
         out = []
@@ -89,8 +99,7 @@ class DraftTree:
             if n.parent not in remap:
                 continue  # cannot happen with non-increasing logp; defensive for hand-made trees
             remap[i] = out.add(n.token, remap[n.parent], n.logp)
-        out.cands = {remap[k]: v for k, v in self.cands.items() if k in remap}
-        out.top_lp = {remap[k]: v for k, v in self.top_lp.items() if k in remap}
+        self._carry_drafter_info(out, remap)
         return out
 
     def top_chain(self) -> list[tuple[int, float]]:
@@ -102,7 +111,7 @@ class DraftTree:
         cur = ROOT
         while self.cands.get(cur) and cur in self.top_lp:
             tok = self.cands[cur][0]
-            nxt = next((c for c in self.children(cur) if self.nodes[c].token == tok), None)
+            nxt = self.child_with(cur, tok)
             out.append((-1 if nxt is None else nxt, math.exp(self.top_lp[cur])))
             if nxt is None:
                 break
@@ -126,8 +135,7 @@ class DraftTree:
 
         for c in sorted(self.root_children, key=lambda c: (-self.nodes[c].logp, c)):
             visit(c, ROOT)
-        out.cands = {remap[k]: v for k, v in self.cands.items() if k in remap}
-        out.top_lp = {remap[k]: v for k, v in self.top_lp.items() if k in remap}
+        self._carry_drafter_info(out, remap)
         return out
 
     def layout(self) -> tuple[list[int], list[int], list[list[int]]]:
@@ -167,7 +175,7 @@ def accept(tree: DraftTree, draw: Callable[[int], int]) -> tuple[list[int], int,
     cur = ROOT
     while True:
         t = draw(0 if cur == ROOT else 1 + cur)
-        nxt = next((c for c in tree.children(cur) if tree.nodes[c].token == t), None)
+        nxt = tree.child_with(cur, t)
         if nxt is None:
             return accepted, t, [tree.nodes[i].token for i in accepted] + [t]
         accepted.append(nxt)
