@@ -18,6 +18,7 @@ import click
 import typer
 
 from .errors import BitsplitError, InvalidOptionError
+from .tools.plan import DEFAULT_VERIFY_ROWS
 
 app = typer.Typer(
     name="bitsplit",
@@ -479,7 +480,7 @@ def plan(
                                                    "and a 16-node tree at 4.0 are compared)."),
     rounds: Optional[float] = typer.Option(None, "--rounds", help="Drafter passes per cycle (default 5; bench's "
                                            "JSON gives the measured draft_passes_per_verify)."),
-    verify_rows: int = typer.Option(17, "--verify-rows", help="Rows of a verification pass (tree nodes + 1)."),
+    verify_rows: int = typer.Option(DEFAULT_VERIFY_ROWS, "--verify-rows", help="Rows of a verification pass (tree nodes + 1)."),
     cpu_cores: Optional[int] = typer.Option(None, "--cpu-cores", help="CPU cores computing the residual (default: this machine's)."),
     base_type: str = typer.Option("auto", "--base", help="The base's type to plan for (split --base): q2_k, iq2_s, "
                                   "iq2_xs, iq2_xxs, iq1_m, or auto: the base type of each --profile given (each with "
@@ -548,7 +549,7 @@ def plan(
                        measure=measure, bandwidth_now=bw_now, log=_say)
         if profiles:
             p = plan_with_profile(make, profiles[0][0], profiles[0][1])
-        elif not given and verify_rows == 17:  # nothing given: the sizes a CPU-only run would pick among
+        elif not given and verify_rows == DEFAULT_VERIFY_ROWS:  # nothing given: the sizes a CPU-only run picks among
             from .tools.plan import DEFAULT_SIZES_SOURCE, default_profile
 
             p = plan_with_profile(make, default_profile(), DEFAULT_SIZES_SOURCE, measured=False)

@@ -44,6 +44,9 @@ PRESETS = {
     "gemma-2-27b": (46, 4608, 36864, 32, 16, 256000),
     "qwen2.5-coder-1.5b": (28, 1536, 8960, 12, 2, 151936),
 }
+#: rows of a verification pass when none are given: a 16-node tree's (the default tree of 4 tokens
+#: per verification in 5 drafter passes)
+DEFAULT_VERIFY_ROWS = 17
 #: bits per weight: the base's Q2_K mix as seen on real splits (Qwen2.5-Coder-1.5B: 3.36 over all
 #: weights); a residual at its type's own rate over every weight (a big model's weights nearly all
 #: have one; on that 1.5B model, whose embeddings are 13% of it, q6_k came to 5.68 over all weights)
@@ -210,7 +213,7 @@ def _draft_rate_per_core(profile: dict | None, rows: int) -> tuple[float | None,
 
 def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None, residual: str = "q6_k",
                   tokens_per_verify: float | None = None, rounds: float | None = None, cores: int | None = None,
-                  verify_rows: int = 17, acceptance_source: str = "given", measure: bool = True,
+                  verify_rows: int = DEFAULT_VERIFY_ROWS, acceptance_source: str = "given", measure: bool = True,
                   bandwidth_now: float | None = None, log=None) -> dict:
     """The cost model with no GPU: every pass streams its weights from RAM on this CPU (``--gpu
     none``). A split directory gives the real base and residual bytes and, with ``measure``, the
@@ -318,7 +321,7 @@ def _ram_bandwidth(ram_bw: float | None, profile: dict | None) -> tuple[float, s
 def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 1000.0, pcie: float = 25.0,
               ram_bw: float | None = None, residual: str = "q6_k", n_ctx: int = 8192,
               tokens_per_verify: float | None = None, rounds: int | None = None, cores: int | None = None,
-              verify_rows: int = 17, keep_layers: int | None = None, base_type: str = "q2_k",
+              verify_rows: int = DEFAULT_VERIFY_ROWS, keep_layers: int | None = None, base_type: str = "q2_k",
               acceptance_source: str = "given", ram_gb: float | None = None, log=None) -> dict:
     """``keep_layers``: at most this many whole layers (None: as many as fit, 0: none); ``base_type``:
     the base's type (``split --base``)."""
@@ -502,7 +505,7 @@ def _profile_plans(make, prof: dict | None, source: str | None, tokens_per_verif
 
 def choose_plan(model: str | os.PathLike[str], *, base_type: str = "auto", residual: str = "auto",
                 profiles: list[tuple[dict, str, str | None]] = (), max_kl: float = 1.0,
-                tokens_per_verify: float | None = None, rounds: float | None = None, verify_rows: int = 17,
+                tokens_per_verify: float | None = None, rounds: float | None = None, verify_rows: int = DEFAULT_VERIFY_ROWS,
                 **kw) -> dict:
     """:func:`make_plan` for every base and residual type in play, the best projection kept.
 
