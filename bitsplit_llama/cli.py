@@ -85,6 +85,18 @@ DRAFT_STOP = typer.Option("auto", "--draft-stop",
                                "runs) or a path probability in [0, 1].")
 
 
+def _check_act_bits(value: str) -> str:
+    from .native.residual import check_act_bits
+
+    return check_act_bits(value)
+
+
+ACT_BITS = typer.Option("auto", "--act-bits", callback=_check_act_bits,
+                        help="The verifier's activations in the 16-bit integer kernels: '16', '8' (the high digit "
+                             "alone where a block has no outlier: faster, about half stock Q8_0's KL measured) or "
+                             "'auto' (8 with a q6_k residual on x86 CPUs without AVX-512, else 16).")
+
+
 def _print_json(obj: dict) -> None:
     print(json.dumps(obj, separators=(",", ":")), flush=True)
 
@@ -255,6 +267,7 @@ def run(
     threads: Optional[int] = THREADS,
     no_spec: bool = typer.Option(False, "--no-spec", help="Decode with the verifier alone, one token per step."),
     precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
+    act_bits: str = ACT_BITS,
     drafter: str = typer.Option("auto", "--drafter",
                                 help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
     draft_stop: str = DRAFT_STOP,
@@ -270,7 +283,7 @@ def run(
         raise InvalidOptionError(f"-n: {n_predict} is negative")
     results = []
     with Generator(model_dir, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, tree_nodes=nodes,
-                   precision=precision, verbose=verbose, drafter=drafter, log=_say, rpc=rpc,
+                   precision=precision, act_bits=act_bits, verbose=verbose, drafter=drafter, log=_say, rpc=rpc,
                    rpc_timeout=rpc_timeout, draft_stop=draft_stop) as gen:
         if gen.auto_choice:
             _say(f"tree: {gen.shape.nodes} nodes (width {gen.shape.width}, {gen.shape.rounds} rounds), chosen for this "
@@ -285,7 +298,7 @@ def run(
     if as_json:
         obj = res.to_json()
         obj.update({"tree_nodes": gen.shape.nodes, "tree_shape": [gen.shape.nodes, gen.shape.width, gen.shape.rounds],
-                    "kernel": gen.kernel, "prompt": prompt})
+                    "kernel": gen.kernel, "act_bits": gen.sm.residual.act_bits, "prompt": prompt})
         if gen.auto_choice:
             obj["auto"] = gen.auto_choice
         _print_json(obj)
@@ -410,6 +423,7 @@ def bench(
     overlap: bool = typer.Option(True, "--overlap/--no-overlap",
                                  help="With --rpc: compute R . x beside the device's W2 . x (default) or after it."),
     draft_stop: str = DRAFT_STOP,
+    act_bits: str = ACT_BITS,
     with_no_spec: bool = typer.Option(False, "--with-no-spec",
                                       help="Also run bitsplit's verifier alone on every prompt, interleaved in the same run."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of the runs."),
@@ -424,7 +438,8 @@ def bench(
     rep = run_bench(model_dir, vs, prompts=load_prompts(prompts), n_predict=n_predict, temp=temp, threads=threads,
                     repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
                     drafter=drafter, with_no_spec=with_no_spec, log=None if quiet or as_json else _say, rpc=rpc,
-                    rpc_timeout=rpc_timeout, overlap=overlap, n_gpu_layers=n_gpu_layers, draft_stop=draft_stop)
+                    rpc_timeout=rpc_timeout, overlap=overlap, n_gpu_layers=n_gpu_layers, draft_stop=draft_stop,
+                    act_bits=act_bits)
     s = rep.summary()
     if plot_path is not None:
         plot(rep, plot_path)
@@ -446,6 +461,7 @@ def bench(
                   f"{s['speedup_vs_no_spec']:.2f}x)")
     t.add_row("tokens per verify", "1", f"{s['accepted_per_verify']:.2f}")
     t.add_row("tree (nodes, width, rounds); drafter", "-", f"{s['tree_shape']}; {s['drafter']}")
+    t.add_row("kernel; verifier activations", "-", f"{s['kernel']}; {s['act_bits']}-bit")
     if s["draft_stop"] is not None:
         t.add_row("nodes verified per cycle; early stops", "-",
                   f"{s['drafted_per_verify']:.1f}; {s['draft_early_stops']} (--draft-stop {s['draft_stop']})")
@@ -609,6 +625,9 @@ def doctor(
           + (" (512-bit operations at half rate here: the 256-bit families first where they measured faster)"
              if p.get("half_rate_512") else ""))
     print("             R alone (base on a device): " + by_family(p["kernel_by_batch_alone"]))
+    if p.get("act_bits") is not None:
+        print(f"             verifier activations (--act-bits auto, q6_k residual): {p['act_bits']}-bit in the "
+              "16-bit integer families (8: the high digit alone where a block has no outlier)")
     print("measured     R alone, fastest here: " + by_family(p["fastest_by_batch_alone"])
           + " (--tree-nodes auto times the families on the model and pins its fastest)")
     print(f"memory       {p['memory_bandwidth_gb_s']:.1f} GB/s (threaded numpy reduction)")
@@ -655,6 +674,7 @@ def eval_(
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Score at most this many chunks."),
     threads: Optional[int] = THREADS,
     precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
+    act_bits: str = ACT_BITS,
     rpc: Optional[str] = typer.Option(None, "--rpc", callback=_check_rpc, metavar="HOST:PORT[,...]",
                                       help="Also score the verifier with its base on these llama.cpp RPC servers "
                                            "(add mode), next to the all-local one."),
@@ -675,7 +695,7 @@ def eval_(
     say = (lambda s: None) if quiet or as_json else (lambda s: print(s, file=sys.stderr, flush=True))
     rep = evaluate(model_dir, reference, text, vs=vs, n_ctx=n_ctx, max_chunks=chunks, threads=threads,
                    precision=precision, log=say, progress=make_progress(quiet or as_json), rpc=rpc,
-                   rpc_timeout=rpc_timeout, n_gpu_layers=n_gpu_layers)
+                   rpc_timeout=rpc_timeout, n_gpu_layers=n_gpu_layers, act_bits=act_bits)
     if as_json:
         _print_json(rep.to_json())
         return

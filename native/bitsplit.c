@@ -70,6 +70,21 @@ int bitsplit_ctx_set_precision(bitsplit_ctx * ctx, int precision) {
     return BITSPLIT_OK;
 }
 
+int bitsplit_ctx_set_act_bits(bitsplit_ctx * ctx, int act_bits) {
+    if (ctx == NULL || act_bits < BITSPLIT_ACTS_AUTO || act_bits > BITSPLIT_ACTS_8) {
+        return BITSPLIT_E_INVALID;
+    }
+    ctx->act_bits = act_bits;
+    return BITSPLIT_OK;
+}
+
+int bitsplit_ctx_act_bits(const bitsplit_ctx * ctx, int res_type) {
+    if (ctx == NULL) {
+        return -1;
+    }
+    return bs_resolve_act8(ctx, (enum ggml_type)res_type) ? 8 : 16;
+}
+
 int bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode) {
     if (ctx == NULL || (mode != BITSPLIT_MODE_AUTO && mode != BITSPLIT_MODE_ADD)) {
         return BITSPLIT_E_INVALID;

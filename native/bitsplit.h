@@ -51,6 +51,16 @@ enum bitsplit_precision {
     BITSPLIT_PREC_BF16 = 2,     /* bf16(W2 + R) . bf16(x), products exact, f32 accumulation */
 };
 
+/* the verifier's activations in the 16-bit integer families (avx2-int16, avxvnni-int16,
+ * avx512vnni-int16, neon-int16), which round each block of 256 (or 32) values to integers |X| <= 32512
+ * kept as two base-255 digits; the other families ignore it */
+enum bitsplit_act_bits {
+    BITSPLIT_ACTS_AUTO = 0,     /* 8 with a Q6_K residual on x86 CPUs without AVX-512 (under the cap), else 16 */
+    BITSPLIT_ACTS_16 = 1,       /* both digits in every block */
+    BITSPLIT_ACTS_8 = 2,        /* the high digit alone (8 bits) for W2 + R in every block whose largest value
+                                   is within 16x its mean magnitude; a block with an outlier keeps both */
+};
+
 /* how a hooked product is applied */
 enum bitsplit_mode {
     BITSPLIT_MODE_AUTO = 0,     /* CPU nodes: replace; device nodes: add */
@@ -100,6 +110,11 @@ void bitsplit_ctx_set_enabled(bitsplit_ctx * ctx, bool enabled);
 void bitsplit_ctx_set_draft_kernel(bitsplit_ctx * ctx, bool on);
 bool bitsplit_ctx_get_enabled(const bitsplit_ctx * ctx);
 int  bitsplit_ctx_set_precision(bitsplit_ctx * ctx, int precision);
+/* enum bitsplit_act_bits; BITSPLIT_E_INVALID for another value */
+int  bitsplit_ctx_set_act_bits(bitsplit_ctx * ctx, int act_bits);
+/* the verifier's activation bits (8 or 16) for products with a residual of ggml type res_type under
+ * ctx's setting on this CPU (the cap BITSPLIT_MAX_ISA included); -1 for a NULL ctx */
+int  bitsplit_ctx_act_bits(const bitsplit_ctx * ctx, int res_type);
 int  bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode);
 /* Add mode only: start R . x on this library's threads as soon as the product's input is computed
  * (learned from the first pass: which graph nodes feed residual products), so that it runs while

@@ -73,6 +73,8 @@ typedef struct bs_job {
     bool draft;                  /* the fast drafter's product (base alone, speed before precision);
                                     r == NULL without it: a weight that has no residual */
     int precision;               /* BITSPLIT_PREC_F32 or BITSPLIT_PREC_BF16 (resolved) */
+    bool act8;                   /* W2 + R takes 8-bit activations where a block allows (the 16-bit integer
+                                    families; BITSPLIT_ACTS_8, resolved) */
     void * acts;                 /* activations prepared once per job (shared by the threads) */
 } bs_job;
 
@@ -134,6 +136,9 @@ const bs_kernel_family * bs_policy(int64_t n_cols, bool alone, const bs_job * jo
  * (else bs_policy's): where the pinned family does not compute a verifier product (vnni-int24 and
  * a Q4_0 base, say), the product keeps the verifier's precision instead of going to a bf16 family */
 const bs_kernel_family * bs_precise_policy(int64_t n_cols, const bs_job * job);
+/* whether auto takes 8-bit verifier activations for a Q6_K residual here: an x86 CPU that runs
+ * no AVX-512 family under the cap */
+bool bs_act8_auto_here(void);
 /* the family that computes this job (pool.c: the pinned family, the policy, the fast drafter's) */
 const bs_kernel_family * bs_family_for(const bitsplit_ctx * ctx, const bs_job * job);
 /* the fast drafter's family for a base-only product, or NULL where ggml's kernel is as fast */
@@ -253,6 +258,7 @@ struct bitsplit_ctx {
     atomic_bool enabled;
     atomic_bool draft_fast;
     int precision;
+    int act_bits;                /* enum bitsplit_act_bits */
     int mode;
     bool replace_ok; /* custom-op layout check passed */
     /* A family pinned for decode passes (<= BS_DECODE_COLS columns) by bitsplit_ctx_set_kernel /
@@ -314,6 +320,8 @@ bool bs_ensure(void ** buf, size_t * cap, size_t need);
 /* all nth threads of one product meet here */
 void bs_barrier(struct bitsplit_ctx * ctx, int nth);
 int bs_resolve_precision(const struct bitsplit_ctx * ctx, enum ggml_type base, enum ggml_type res);
+/* ctx's act_bits for a product with a residual of type res: 8-bit activations (true) or 16 */
+bool bs_resolve_act8(const struct bitsplit_ctx * ctx, enum ggml_type res);
 size_t bs_job_acts_size(const struct bitsplit_ctx * ctx, const bs_job * job);
 void bs_run_job(struct bitsplit_ctx * ctx, const bs_job * job, int ith, int nth);
 void bs_count_job(struct bitsplit_ctx * ctx, const bs_job * job, uint64_t t0, bool add);

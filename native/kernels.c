@@ -448,4 +448,19 @@ const bs_kernel_family * bs_draft_policy(const bs_job * job) {
     return NULL;
 }
 
+bool bs_act8_auto_here(void) {
+#if defined(__x86_64__)
+    int cap;
+    bs_isa_cap(&cap);
+    for (size_t i = 0; i < N_FAMILIES; i++) {
+        if (order_small[i]->isa >= BS_ISA_AVX512 && usable(order_small[i], cap)) {
+            return false;
+        }
+    }
+    return true;
+#else
+    return false; /* not measured on ARM */
+#endif
+}
+
 const bs_kernel_family * bs_generic_family(void) { return &generic_family; }

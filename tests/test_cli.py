@@ -198,12 +198,13 @@ def test_cli_bench_json_and_plot(capsys, tiny_split, tiny_f32, tmp_path):
     png = tmp_path / "bench.png"
     code, out, err = run_main(capsys, "bench", str(tiny_split), "--vs", str(tiny_f32), "--prompts", str(prompts),
                               "-n", "12", "--tree-nodes", "4", "--repeat", "2", "--with-no-spec", "--json",
-                              "--plot", str(png))
+                              "--plot", str(png), "--act-bits", "8")
     assert code == 0, err
     s = json.loads(out.strip().splitlines()[-1])
     for key in ("tokens_per_second", "vs_tokens_per_second", "speedup_vs", "accepted_per_verify", "tree_nodes"):
         assert key in s, key
     assert s["runs"] == 4 and s["prompts"] == 2 and s["tree_nodes"] == 4
+    assert s["act_bits"] == 8  # as asked (a q6_k residual: one value)
     assert s["tokens_per_second"] > 0 and s["vs_tokens_per_second"] > 0
     # ratios are rounded to 4 decimals, rates to 3
     assert s["speedup_vs"] == pytest.approx(s["tokens_per_second"] / s["vs_tokens_per_second"], rel=1e-3, abs=1e-4)

@@ -40,6 +40,8 @@ ACT_BITS = {"avx2-int16": 32512, "avxvnni-int16": 32512, "avx512vnni-int16": 325
 # families that use the weights as they are (integer or f32 arithmetic), not rounded to bf16
 EXACT_WEIGHTS = {"vnni-int24", "avx2-int16", "avxvnni-int16", "avx512vnni-int16", "neon-int16", "avx2-f32", "neon-f32"}
 SUPERBLOCK_TYPES = {10, 11, 12, 13, 14}  # Q2_K .. Q6_K
+# the families that need AVX-512 (or AMX): where one runs, "auto" keeps 16-bit verifier activations
+AVX512_FAMILIES = {"vnni-int24", "amx-bf16", "avx512-bf16", "avx512vnni-int16"}
 
 
 HI_SPAN = 16  # the residual's 8-bit blocks: max|X| (= ACT_BITS) within HI_SPAN x mean |X|
@@ -104,15 +106,22 @@ def _weights(split, name):
         return w2.astype(np.float64), r.astype(np.float64), bt.ggml_type, rt.ggml_type
 
 
-def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5, fallback=EXACT_WEIGHTS):
+def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5, fallback=EXACT_WEIGHTS,
+                  act_bits="auto"):
+    """``act_bits``: the verifier's activations setting (auto: as it resolves on this CPU and cap)."""
     with Residual(split) as res:
         res.set_precision("auto")
+        res.set_act_bits(act_bits)
         assert res.set_kernel(fam) == fam
         for name in names:
             w2, r, bt, rt = _weights(split, name)
             x = np.random.default_rng(seed).standard_normal((max(n_cols), w2.shape[1])).astype(np.float32)
             # an outlier channel, as real activations have at a text's first position
             x[:, 3] *= 60.0
+            # and one in column 2 alone: its block keeps both digits where its neighbours may not
+            x[2 % len(x), w2.shape[1] // 2 + 7] *= 60.0
+            # with 8-bit verifier activations, W2 + R takes them as R . x alone does
+            act8 = res.act_bits_for(rt) == 8
             for with_base, W in ((True, w2 + r), (False, r)):
                 # a product the family does not compute (vnni-int24 and a Q4_0 base, say) goes to
                 # a family as precise (exact weights), and is held to that family's bound
@@ -121,16 +130,17 @@ def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5, fa
                 types = (bt, rt) if with_base else (rt,)
                 # the integer families round the activations of R . x alone to 8 bits (the high
                 # digit) where a block has no outlier
-                ref = _act_rounded(actual, x, types, residual=not with_base) @ W.T
+                eight = not with_base or act8
+                ref = _act_rounded(actual, x, types, residual=eight) @ W.T
                 full = res.matmul(name, x, with_base=with_base)
                 err = np.abs(full - ref).max() / np.abs(ref).max()
                 assert err < TOL[actual], (fam, actual, name, with_base, err)
                 if actual in ACT_BITS:  # and the rounding is as small as it claims
                     exact = x.astype(np.float64) @ W.T
-                    bound = _act_bound(actual, x, W, types, residual=not with_base)
+                    bound = _act_bound(actual, x, W, types, residual=eight)
                     assert np.all(np.abs(full - exact) <= bound * 1.001 + 1e-5 * np.abs(exact).max()), \
                         (fam, name, with_base)
-                    if with_base:  # 16-bit activations throughout
+                    if not eight:  # 16-bit activations throughout
                         assert np.abs(full - exact).max() / np.abs(exact).max() < 1e-3, (fam, name)
                 for n in n_cols:  # a column's result never depends on the rest of the batch
                     assert np.array_equal(res.matmul(name, x[:n], with_base=with_base), full[:n]), (fam, name, n)
@@ -167,6 +177,47 @@ def test_family_exact_weight_at_the_verifiers_precision(exact_split, fam):
             assert np.array_equal(res.matmul("output.weight", x[:n]), full[:n]), (fam, n)
         with pytest.raises(InvalidOptionError):
             res.matmul("output.weight", x, with_base=False)
+
+
+@pytest.mark.parametrize("act_bits", ["8", "16"])
+@pytest.mark.parametrize("fam", sorted(ACT_BITS))
+def test_int16_families_verifier_activation_bits(tiny_split, type_splits, fam, act_bits):
+    """The 16-bit integer families with either verifier setting, on every type: with "8" W2 + R takes
+    the high digit alone in every block without an outlier (both halves), with "16" both digits; held
+    to the reference of that rounding and its bound, batch-invariant at 1-5 columns (avx512vnni-int16's
+    sets of 4, 3 and 2, one of whose columns keeps both digits in a block its neighbours do not) and
+    past them."""
+    _runs_here(fam)
+    names = ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight")
+    for split in (tiny_split, *type_splits.values()):
+        _check_family(split, fam, names, n_cols=(1, 2, 3, 4, 5, 9, 16), act_bits=act_bits)
+        with Residual(split) as res:
+            res.set_act_bits(act_bits)
+            assert {res.act_bits_for(t[3]) for t in res.tensors()} == {int(act_bits)}
+
+
+def test_act_bits_auto_by_cpu_and_residual(tiny_split, type_splits):
+    """"auto" takes 8-bit verifier activations with a Q6_K residual on an x86 CPU without AVX-512
+    (under the cap), 16 otherwise: checked for this CPU as it is, and under BITSPLIT_MAX_ISA=avx2."""
+    import platform
+
+    q6, q8 = tiny_split, type_splits[("q3_k_m", "q8_0")]
+    code = ("import sys; from bitsplit_llama.native.residual import Residual\n"
+            "for d in sys.argv[1:]:\n    with Residual(d) as r: print(r.act_bits)")
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    caps = [None] + (["avx2"] if "avx2-int16" in HERE else [])
+    for cap in caps:
+        env = dict(os.environ)
+        if cap:
+            env["BITSPLIT_MAX_ISA"] = cap
+        out = subprocess.run([sys.executable, "-c", code, str(q6), str(q8)], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        avx512 = cap is None and bool(AVX512_FAMILIES & set(HERE))
+        assert out == [("8" if x86 and not avx512 else "16"), "16"], (cap, out)
+    with Residual(q6) as res:
+        for bad in ("4", "32", "", "eight"):
+            with pytest.raises(InvalidOptionError, match="act-bits"):
+                res.set_act_bits(bad)
 
 
 @pytest.fixture(scope="module")
@@ -306,13 +357,15 @@ def test_vnni_int16_families_are_avx2_int16_bit_for_bit(tiny_split, type_splits,
                 x = np.random.default_rng(11).standard_normal((17, k)).astype(np.float32)
                 x[:, 5] *= 40.0
                 x[2, k // 2 + 7] *= 60.0  # column 2 keeps both digits in that block alone
-                got = {}
-                for f in (fam, "avx2-int16"):
-                    assert res.set_kernel(f) == f
-                    got[f] = [res.matmul(name, x[:n], with_base=wb) for n in (1, 2, 3, 4, 5, 6, 7, 9, 16, 17)
-                              for wb in (True, False)]
-                for a, b in zip(got[fam], got["avx2-int16"]):
-                    assert np.array_equal(a, b), (split.name, name)
+                for act_bits in ("16", "8"):  # 8: W2 + R on the high digit where a block allows
+                    res.set_act_bits(act_bits)
+                    got = {}
+                    for f in (fam, "avx2-int16"):
+                        assert res.set_kernel(f) == f
+                        got[f] = [res.matmul(name, x[:n], with_base=wb) for n in (1, 2, 3, 4, 5, 6, 7, 9, 16, 17)
+                                  for wb in (True, False)]
+                    for a, b in zip(got[fam], got["avx2-int16"]):
+                        assert np.array_equal(a, b), (split.name, name, act_bits)
             assert res.counters().n_errors == 0
 
 

@@ -181,6 +181,10 @@ OPTION_CASES = [
     (["run", "{split}", "-p", "x", "--precision", "fp8"], 2, "precision"),
     (["run", "{split}", "-p", "x", "--drafter", "gpu"], 2, "--drafter: 'gpu'"),
     (["bench", "{split}", "--vs", "{src}", "--drafter", "gpu"], 2, "--drafter: 'gpu'"),
+    (["run", "{split}", "-p", "x", "--act-bits", "4"], 2, "--act-bits: '4' unknown (expected one of: auto, 16, 8)"),
+    (["bench", "{split}", "--vs", "{src}", "--act-bits", "12"], 2, "--act-bits: '12'"),
+    (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/t.txt", "--act-bits", "auto8"], 2,
+     "--act-bits: 'auto8'"),
     (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/nope.txt"], 1, "text file not found"),
     (["eval", "{split}", "--reference", "{tmp}/nope.gguf", "--text", "{tmp}/t.txt"], 1, "reference file not found"),
     (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/t.txt", "--vs", "{tmp}/nope.gguf"], 1,
@@ -227,6 +231,8 @@ def test_api_bad_values(tiny_split):
             g.generate([1] + [300] * 80, max_tokens=4)
     with pytest.raises(InvalidOptionError):
         Generator(tiny_split, tree_nodes="many")
+    with pytest.raises(InvalidOptionError, match="act-bits"):
+        Generator(tiny_split, act_bits="7")
 
 
 # -- soak and leaks -----------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from ..formats.gguf_file import GGUFFile
 from ..formats.modeldir import check_pair, split_paths
 
 PRECISIONS = {"auto": 0, "f32": 1, "bf16": 2}
+# the verifier's activations in the 16-bit integer families (bitsplit.h's enum bitsplit_act_bits)
+ACT_BITS = {"auto": 0, "16": 1, "8": 2}
 MODES = {"auto": 0, "add": 1}
 
 _STATUS_ERRORS = {1: InputError, 2: GGUFFormatError, 3: MismatchError, 4: UnsupportedModelError, 5: NativeError,
@@ -44,6 +46,14 @@ class Counters:
     n_attn_products: int = 0     # attention's KV-cache products (KQ, KQV) computed by the library (batch invariance)
     seconds_attn: float = 0.0
     n_softmax: int = 0           # attention's softmaxes computed by the library (batch invariance)
+
+
+def check_act_bits(value: str | int) -> str:
+    """``value`` as a key of ACT_BITS, or one message naming it and what was expected."""
+    key = str(value)
+    if key not in ACT_BITS:
+        raise InvalidOptionError(f"--act-bits: '{value}' unknown (expected one of: {', '.join(ACT_BITS)})")
+    return key
 
 
 def _raise(status: int, message: str) -> None:
@@ -125,6 +135,26 @@ class Residual:
         if precision not in PRECISIONS:
             raise InvalidOptionError(f"precision '{precision}' unknown (expected one of: {', '.join(PRECISIONS)})")
         self._lib.bitsplit_ctx_set_precision(self.ptr, PRECISIONS[precision])
+
+    def set_act_bits(self, act_bits: str | int) -> None:
+        """The verifier's activations in the 16-bit integer families: ``"16"`` (two base-255 digits in
+        every block), ``"8"`` (the high digit alone for W2 + R in blocks without an outlier: half the
+        multiplies) or ``"auto"`` (8 with a Q6_K residual on x86 CPUs without AVX-512, else 16)."""
+        self._lib.bitsplit_ctx_set_act_bits(self.ptr, ACT_BITS[check_act_bits(act_bits)])
+
+    def act_bits_for(self, res_type: int) -> int:
+        """The verifier's activation bits (8 or 16) for products with a residual of ggml type ``res_type``."""
+        return int(self._lib.bitsplit_ctx_act_bits(self.ptr, int(res_type)))
+
+    @property
+    def act_bits(self) -> int | dict[str, int]:
+        """The verifier's activation bits here (8 or 16, as the setting resolves on this CPU under
+        ``BITSPLIT_MAX_ISA``); a dict by residual type where a split's types resolve differently."""
+        from ..formats.gguf_file import type_name
+
+        bits = {type_name(rt).lower(): self.act_bits_for(rt) for *_, rt in self.tensors()}
+        values = set(bits.values())
+        return values.pop() if len(values) == 1 else dict(sorted(bits.items()))
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:

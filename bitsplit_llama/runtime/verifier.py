@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import native
 from ..errors import BusyError, InvalidOptionError, UnsupportedModelError
 from ..native import policy
-from ..native.residual import Residual
+from ..native.residual import Residual, check_act_bits
 from . import rpc as rpc_mod
 from .llamacpp import Context, Model
 
@@ -29,7 +29,7 @@ class SplitModel:
 
     def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 2048, n_batch: int = 512,
                  n_ubatch: int | None = None, n_seq_max: int = 1, n_threads: int | None = None,
-                 n_gpu_layers: int | None = None, precision: str = "auto", verbose: bool = False,
+                 n_gpu_layers: int | None = None, precision: str = "auto", act_bits: str = "auto", verbose: bool = False,
                  check_fingerprint: bool = True, flash_attn: bool | None = None, kv_type: str = "f16",
                  fast_drafter: bool | None = None, reserve: int | None = None, rpc=None,
                  rpc_timeout: float = rpc_mod.DEFAULT_TIMEOUT_S, overlap: bool = True, batch_invariant: bool = True):
@@ -43,8 +43,12 @@ class SplitModel:
         pass, the products without residual (output head) in the library's kernels, and, on the CPU
         with an f16/f32 KV cache, llama.cpp's plain attention (``flash_attn`` None becomes False)
         with its two products of the KV cache in the library's kernels too: ggml's switch from a
-        dot product to a tiled GEMM at 2 rows, its flash attention to a tiled path at 64."""
+        dot product to a tiled GEMM at 2 rows, its flash attention to a tiled path at 64.
+
+        ``act_bits``: the verifier's activations in the 16-bit integer kernel families, "16", "8"
+        (the high digit alone where a block has no outlier) or "auto" (:meth:`Residual.set_act_bits`)."""
         self.dir = Path(model_dir)
+        check_act_bits(act_bits)  # before anything loads
         self._lock = threading.Lock()
         # KV cells beyond the n_ctx positions (see Context): by default one per sequence, which holds
         # the rows a tree that fits the sequences puts in the cache besides the text's positions
@@ -78,6 +82,7 @@ class SplitModel:
         try:
             self.residual.batch_invariant = batch_invariant
             self.residual.set_precision(precision)
+            self.residual.set_act_bits(act_bits)
             self.residual.set_overlap(overlap)
             if rpc is not None and rpc != "" and rpc != []:
                 self.rpc = rpc_mod.Devices(endpoints, rpc_timeout)

@@ -868,6 +868,10 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
     except Exception as exc:
         devs = []
         _say(log, f"  devices not listed: {type(exc).__name__}: {exc}")
+    from ..native.residual import Residual
+
+    with Residual(split) as r:  # the verifier's activations the (W2+R).x rows ran with (--act-bits auto)
+        act_bits = r.act_bits
     res_bytes = residual[0]["bytes"] if residual else 0
     base_bytes = (with_base[0]["bytes"] - res_bytes) if with_base and residual else 0
     return {
@@ -887,6 +891,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "kernel_by_batch_alone": {str(b): policy.kernel_for_batch(b, residual_alone=True) for b in POLICY_BATCHES},
         "fastest_by_batch_alone": fastest_by_batch(residual),
         "draft_kernel": policy.draft_kernel(),
+        "act_bits": act_bits,
         "memory_bandwidth_gb_s": round(bw / 1e9, 3),
         "synthetic": {"tensors": size.tensors, "ne0": size.ne0, "ne1": size.ne1, "residual_type": "q6_k",
                       "base_type": "q2_k", "residual_bytes": res_bytes, "base_bytes": base_bytes},

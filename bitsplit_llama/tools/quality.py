@@ -38,9 +38,11 @@ class ModelScore:
     top1: float
     ppl: float
     seconds: float
+    act_bits: int | dict | None = None  # a split verifier's activation bits (as --act-bits resolved here)
 
     def to_json(self) -> dict:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()
+                if v is not None or k != "act_bits"}
 
 
 @dataclass
@@ -103,7 +105,7 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
              vs: list[str | os.PathLike[str]] = (), n_ctx: int = 512, max_chunks: int | None = None,
              threads: int | None = None, precision: str = "auto", log: Callable[[str], None] | None = None,
              progress=None, rpc: str | None = None, rpc_timeout: float = 60.0,
-             n_gpu_layers: int | None = None) -> EvalReport:
+             n_gpu_layers: int | None = None, act_bits: str = "auto") -> EvalReport:
     """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``. With
     ``rpc`` or ``n_gpu_layers``, the verifier whose base is on those RPC servers or on the GPU (add
     mode) is scored too, after the all-local one."""
@@ -216,7 +218,8 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
             if progress:
                 progress.phase(name, n_chunks, 0)
             consume, finish = scorer(name, str(model_dir))
-            sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, precision=precision, **kw)
+            sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, precision=precision,
+                            act_bits=act_bits, **kw)
             try:
                 if sm.model.n_vocab != n_vocab:
                     raise MismatchError(f"{model_dir}: vocabulary differs from the reference")
@@ -226,7 +229,9 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
                     with sm.verifying() as ctx:
                         ctx.decode(chunk, positions)
                         consume(i, ctx.logits(n_ctx))
-                report.models.append(finish(time.monotonic() - t0))
+                score = finish(time.monotonic() - t0)
+                score.act_bits = sm.residual.act_bits
+                report.models.append(score)
             finally:
                 sm.close()
 

@@ -57,10 +57,11 @@ extern const bs_kernel_family bs_family_neon_f32;
  * products (tests/test_kernels.py holds avx2-int16 to 1e-5 against its own rounding's product;
  * neon_qemu.sh requires the two integer families to agree bit for bit) */
 /* W2+R, R, W2, W2 draft (one 8-bit digit per value: the vectors hold an outlier channel, 60x the
- * others, which takes most of its block's scale) */
-static const double TOL_MODE[4] = {1e-3, 5e-2, 1e-3, 2e-1};
+ * others, which takes most of its block's scale), W2+R with 8-bit verifier activations (job.act8:
+ * as R alone) */
+static const double TOL_MODE[5] = {1e-3, 5e-2, 1e-3, 2e-1, 5e-2};
 #else
-static const double TOL_MODE[4] = {1e-5, 1e-5, 1e-5, 1e-5};
+static const double TOL_MODE[5] = {1e-5, 1e-5, 1e-5, 1e-5, 1e-5};
 #endif
 #define PAD_X 8  /* ldx = K + PAD_X */
 #define PAD_Y 3  /* ldy = N + PAD_Y */
@@ -133,8 +134,10 @@ typedef struct {
     double * ref; /* 3 x max_cols x N */
 } pcase;
 
-/* mode 3: the base alone as the fast drafter asks for it (job.draft), against mode 2's reference */
-static const char * MODE[4] = {"W2+R", "R", "W2", "W2 draft"};
+/* mode 3: the base alone as the fast drafter asks for it (job.draft), against mode 2's reference;
+ * mode 4: W2 + R with 8-bit verifier activations (job.act8), against mode 0's */
+#define N_MODES 5
+static const char * MODE[N_MODES] = {"W2+R", "R", "W2", "W2 draft", "W2+R act8"};
 
 /* one run: y (n_cols columns of ldy = N + PAD_Y, padding set to SENTINEL) = the product; rows in
  * calls of `split` rows (0: one call); accumulate adds to what y holds */
@@ -144,8 +147,9 @@ static bool run(const pcase * c, int mode, int n_cols, const float * xpad, float
     bs_job job;
     memset(&job, 0, sizeof(job));
     job.w2 = mode == 1 ? NULL : c->w2;
-    job.r = mode >= 2 ? NULL : c->r;
+    job.r = mode == 2 || mode == 3 ? NULL : c->r;
     job.draft = mode == 3;
+    job.act8 = mode == 4;
     job.w2_type = (enum ggml_type)c->bt;
     job.r_type = (enum ggml_type)c->rt;
     job.w2_row_bytes = c->brb;
@@ -273,8 +277,8 @@ int main(int argc, char ** argv) {
             memcpy(xpad + col * ldx, c.x + (size_t)col * K, (size_t)K * sizeof(float));
             for (int p = 0; p < PAD_X; p++) xpad[col * ldx + K + p] = NAN; /* never read */
         }
-        for (int mode = 0; mode < 4; mode++) {
-            const double * ref = c.ref + (size_t)(mode == 3 ? 2 : mode) * max_cols * N;
+        for (int mode = 0; mode < N_MODES; mode++) {
+            const double * ref = c.ref + (size_t)(mode == 3 ? 2 : mode == 4 ? 0 : mode) * max_cols * N;
             double scale = 0.0, err = 0.0;
             for (int64_t i = 0; i < (int64_t)max_cols * N; i++) scale = fmax(scale, fabs(ref[i]));
             if (scale == 0.0) scale = 1.0;
@@ -388,7 +392,7 @@ int main(int argc, char ** argv) {
     }
     free(scratch.buf);
     printf("kernel_parity: %s: %s, %d cases, worst error %.3g%s (%d runs, batches 1,2,3,5,16, tolerance %.0e "
-           "W2+R, %.0e R, %.0e W2, %.0e W2 draft)\n", n_fail == 0 && n_checked > 0 ? "PASS" : "FAIL", FAMILY.name,
-           n_checked, worst, worst_at, n_runs, TOL_MODE[0], TOL_MODE[1], TOL_MODE[2], TOL_MODE[3]);
+           "W2+R, %.0e R, %.0e W2, %.0e W2 draft, %.0e W2+R act8)\n", n_fail == 0 && n_checked > 0 ? "PASS" : "FAIL",
+           FAMILY.name, n_checked, worst, worst_at, n_runs, TOL_MODE[0], TOL_MODE[1], TOL_MODE[2], TOL_MODE[3], TOL_MODE[4]);
     return n_fail == 0 && n_checked > 0 ? 0 : 1;
 }

@@ -667,6 +667,8 @@ static void test_api_edges(const model * m, const char * work) {
     CHECK(bitsplit_ctx_tensor_info(NULL, 0, NULL, NULL, NULL, NULL) == BITSPLIT_E_INVALID, "tensor_info(NULL)");
     CHECK(bitsplit_ctx_set_precision(NULL, 0) == BITSPLIT_E_INVALID, "set_precision(NULL)");
     CHECK(bitsplit_ctx_set_mode(NULL, 0) == BITSPLIT_E_INVALID, "set_mode(NULL)");
+    CHECK(bitsplit_ctx_set_act_bits(NULL, 0) == BITSPLIT_E_INVALID && bitsplit_ctx_act_bits(NULL, 14) == -1,
+          "act_bits(NULL)");
     CHECK(bitsplit_ctx_set_threads(NULL, 1) == BITSPLIT_E_INVALID, "set_threads(NULL)");
     CHECK(bitsplit_ctx_set_kernel(NULL, "generic") == BITSPLIT_E_INVALID, "set_kernel(NULL)");
     CHECK(bitsplit_ctx_set_prompt(NULL, true) == BITSPLIT_E_INVALID && !bitsplit_ctx_get_prompt(NULL), "set_prompt(NULL)");
@@ -1051,6 +1053,12 @@ static void test_valid_load(const model * m, bool quick) {
           "set_precision out of range");
     CHECK(bitsplit_ctx_set_mode(ctx, 2) == BITSPLIT_E_INVALID && bitsplit_ctx_set_mode(ctx, -1) == BITSPLIT_E_INVALID,
           "set_mode out of range");
+    CHECK(bitsplit_ctx_set_act_bits(ctx, -1) == BITSPLIT_E_INVALID && bitsplit_ctx_set_act_bits(ctx, 3) == BITSPLIT_E_INVALID,
+          "set_act_bits out of range");
+    CHECK(bitsplit_ctx_set_act_bits(ctx, BITSPLIT_ACTS_8) == BITSPLIT_OK && bitsplit_ctx_act_bits(ctx, 8) == 8 &&
+          bitsplit_ctx_set_act_bits(ctx, BITSPLIT_ACTS_16) == BITSPLIT_OK && bitsplit_ctx_act_bits(ctx, 14) == 16 &&
+          bitsplit_ctx_set_act_bits(ctx, BITSPLIT_ACTS_AUTO) == BITSPLIT_OK && bitsplit_ctx_act_bits(ctx, 8) == 16,
+          "set_act_bits / act_bits (auto: 16 with a Q8_0 residual)");
     const char * before = bitsplit_ctx_kernel(ctx);
     CHECK(bitsplit_ctx_set_kernel(ctx, "no-such-family") == BITSPLIT_E_UNSUPPORTED, "unknown kernel family");
     CHECK(strcmp(bitsplit_ctx_kernel(ctx), before) == 0, "a refused family leaves the kernel as it was");

@@ -353,9 +353,13 @@ TGT static void dot_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch 
                 const int8_t * d0 = (const int8_t *)col + k0, * d1 = (const int8_t *)col + K + k0;
                 const float * xs16 = (const float *)(col + 2 * K) + k0 / 16, * xh16 = xs16 + K / 16;
                 const float * sv = (const float *)(col + 2 * K) + 2 * (K / 16);
-                const bool hi = bt == T_NONE && !coarse && ((const uint8_t *)(sv + K / qa))[t] != 0;
+                /* the high digit alone: R alone (add mode), or both halves with act8 (avx2-int16's r_alone_hi) */
+                const bool hi = (bt == T_NONE || job->act8) && rt != T_NONE && !coarse &&
+                                ((const uint8_t *)(sv + K / qa))[t] != 0;
                 f8 v = f8_zero();
-                if (bt != T_NONE) v = half_value(bt, ng, hb, d0, coarse ? NULL : d1, false, xs16);
+                if (bt != T_NONE) {
+                    v = hi ? half_value(bt, ng, hb, d1, NULL, true, xh16) : half_value(bt, ng, hb, d0, coarse ? NULL : d1, false, xs16);
+                }
                 if (rt != T_NONE) {
                     v = f8_add(v, hi ? half_value(rt, ng, hr, d1, NULL, true, xh16)
                                      : half_value(rt, ng, hr, d0, coarse ? NULL : d1, false, xs16));

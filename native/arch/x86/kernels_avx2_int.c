@@ -16,7 +16,9 @@
  * (add mode: the device computes W2 . x) takes the high digit alone, d1 = round(X / 255) (8 bits,
  * half the multiplies), in every block whose largest value is within BS_HI_SPAN times its mean
  * magnitude; a block with an outlier keeps both digits (one scale per 256 values would flatten the
- * outlier's neighbours). The choice is the column's own (from its integers), so batch-invariant.
+ * outlier's neighbours). With 8-bit verifier activations (job->act8: BITSPLIT_ACTS_8, the default
+ * with a Q6_K residual on x86 CPUs without AVX-512) W2 + R does the same for both halves. The
+ * choice is the column's own (from its integers), so batch-invariant.
  *
  * Weights: as in vnni-int24, every type is per group of 32 values an affine map of unsigned byte
  * codes, W = D u + O with D and O per half-group of 16 (avx2_quants.h); Q8_0 is taken as its
@@ -397,29 +399,30 @@ INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
 /* group g of one unit applied to ncb columns (base half first) */
 INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb,
                      unit_sc * hr, int g, const colp * a, int ncb, sums * ab, sums * ar, bool coarse, bool h0,
-                     bool h1) {
+                     bool h1, bool hn) {
     __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
     __m256 D = _mm256_setzero_ps();
-    /* with the base, verifying (both digits of every column: the residual's high digit alone is for
-     * R alone): two chains per digit at 1-2 columns, one vpdpwssd chain at 3-4 (apply_group) */
+    /* with the base, verifying with both digits: two chains per digit at 1-2 columns, one vpdpwssd
+     * chain at 3-4 (apply_group); a column on its high digit alone takes one chain (apply_r) */
     const int chains = bt != T_NONE && !coarse ? (ncb <= 2 ? 2 : 1) : 0;
     if (bt != T_NONE) {
         decode_group(bt, bp, Sb, g, hb, &u, &q, &G, &D);
-        for (int j = 0; j < ncb; j++) apply_group(bt, coarse, g, u, q, G, D, a[j].d0 + 32 * g, a[j].d1 + 32 * g, &ab[j], chains);
+        /* the base: the high digit alone where the column's block takes it (r_alone_hi: act8) */
+        for (int j = 0; j < ncb; j++) apply_r(bt, coarse, j == 0 ? h0 : j == 1 ? h1 : hn, g, u, q, G, D, &a[j], &ab[j], chains);
     }
     if (rt != T_NONE) {
         decode_group(rt, rp, Sr, g, hr, &u, &q, &G, &D);
-        /* the residual: the high digit alone (8-bit activations) in a verify pass */
-        for (int j = 0; j < ncb; j++) apply_r(rt, coarse, j == 0 ? h0 : h1, g, u, q, G, D, &a[j], &ar[j], chains);
+        /* the residual: the high digit alone (8-bit activations) where the column's block takes it */
+        for (int j = 0; j < ncb; j++) apply_r(rt, coarse, j == 0 ? h0 : j == 1 ? h1 : hn, g, u, q, G, D, &a[j], &ar[j], chains);
     }
 }
 
 /* One unit applied to columns c0 .. c0 + ncb - 1 (ncb = 1 to FUSED_WIDE, a constant where inlined), each
- * group decoded in registers and applied to every column at once; h0 / h1: whether the residual
- * takes columns c0 / c0 + 1's high digit alone (constants: fused_unit chooses the body). */
+ * group decoded in registers and applied to every column at once; h0 / h1 / hn: whether columns
+ * c0 / c0 + 1 / the others take the high digit alone (constants: fused_unit chooses the body). */
 INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr,
                          unit_sc * hb, unit_sc * hr, const colp * a, int ncb, __m256 * tot, bool coarse,
-                         bool h0, bool h1) {
+                         bool h0, bool h1, bool hn) {
     sums ab[FUSED_WIDE], ar[FUSED_WIDE];
     for (int j = 0; j < ncb; j++) {
         sums_init(&ab[j]);
@@ -430,47 +433,74 @@ INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8
          * groups' codes and scales and spills them (a third of the time at 2 columns, measured) */
         _Pragma("GCC unroll 1") for (int n = 0; n < 2; n++) {
             _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
-                fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 4 * n + i, a, ncb, ab, ar, coarse, h0, h1);
+                fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 4 * n + i, a, ncb, ab, ar, coarse, h0, h1, hn);
             }
         }
     } else {
-        fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 0, a, ncb, ab, ar, coarse, h0, h1);
+        fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 0, a, ncb, ab, ar, coarse, h0, h1, hn);
     }
     for (int j = 0; j < ncb; j++) {
+        const bool hj = j == 0 ? h0 : j == 1 ? h1 : hn;
         __m256 v = _mm256_setzero_ps();
-        if (bt != T_NONE) v = sums_end(bt, coarse, false, ng, &ab[j], hb, a[j].xs16);
-        if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, j == 0 ? h0 : h1, ng, &ar[j], hr, &a[j]));
+        if (bt != T_NONE) v = sums_r(bt, coarse, hj, ng, &ab[j], hb, &a[j]);
+        if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, hj, ng, &ar[j], hr, &a[j]));
         tot[j] = _mm256_fmadd_ps(_mm256_set1_ps(a[j].s), v, tot[j]);
     }
 }
 
-/* whether the residual takes this column's high digit alone over the unit: in a verify pass's
- * product of the residual alone (add mode: the device computes W2 . x), where the column's block
- * has no outlier. With the base in the product both halves keep two digits: measured on a 2-core
- * Zen 3 (bench/native_ab.py, W2 + R, Qwen2.5-Coder-1.5B q6_k split), the high digit alone for R
- * saved 0-7% at 1-4 columns and doubled the verifier's KL (0.052x -> 0.098x stock Q8_0's) */
-INL bool r_alone_hi(int bt, int rt, bool coarse, const colp * a) {
-    return bt == T_NONE && rt != T_NONE && !coarse && a->hi;
+/* whether a verify pass takes this column's high digit alone over the unit, where the column's
+ * block has no outlier: in a product of the residual alone (add mode: the device computes W2 . x),
+ * and with act8 (BITSPLIT_ACTS_8) in W2 + R for both halves. Without act8, W2 + R keeps two digits:
+ * measured on a 2-core Zen 3 (bench/native_ab.py, W2 + R, Qwen2.5-Coder-1.5B q6_k split), the high
+ * digit for R alone saved 0-7% at 1-4 columns and doubled the verifier's KL (0.052x -> 0.098x stock
+ * Q8_0's); for both halves, on a Zen 4 with llama.cpp and this library on AVX2 alone, 1.08-1.14x
+ * end to end at 0.53x stock Q8_0's KL (README) */
+INL bool r_alone_hi(bool act8, int bt, int rt, bool coarse, const colp * a) {
+    return (bt == T_NONE || act8) && rt != T_NONE && !coarse && a->hi;
+}
+
+/* 1-2 columns (ncb), whether each takes the high digit alone a constant in its body */
+INL void fused_pair(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr,
+                    unit_sc * hb, unit_sc * hr, const colp * a, int ncb, __m256 * tot, bool coarse, bool h0, bool h1) {
+    if (h0 && h1) {
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true, false);
+    } else if (h0) {
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, false, false);
+    } else if (h1) {
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, true, false);
+    } else {
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false, false);
+    }
 }
 
 /* the body for these columns' digit choices, each a constant in it (a branch per group and column
- * made the 2-column pass 1.19x slower, measured) */
+ * made the 2-column pass 1.19x slower, measured); 3-4 columns whose choices differ run as a pair and
+ * the rest (the same integers, in the same floating-point order: batch-invariant) */
 INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
                     const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb, unit_sc * hr, int64_t k0, int64_t c0,
                     int ncb, __m256 * tot, bool coarse) {
     colp a[FUSED_WIDE];
-    for (int j = 0; j < ncb; j++) a[j] = col_at(job, cb, c0 + j, k0, qa);
-    /* (more than 2 columns at once only with the base in the product, where neither applies) */
-    const bool h0 = r_alone_hi(bt, rt, coarse, &a[0]), h1 = ncb == 2 && r_alone_hi(bt, rt, coarse, &a[1]);
-    if (h0 && h1) {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true);
-    } else if (h0) {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, false);
-    } else if (h1) {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, true);
-    } else {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false);
+    bool h[FUSED_WIDE];
+    int nh = 0;
+    for (int j = 0; j < ncb; j++) {
+        a[j] = col_at(job, cb, c0 + j, k0, qa);
+        h[j] = r_alone_hi(job->act8, bt, rt, coarse, &a[j]);
+        nh += h[j];
     }
+    if (ncb > 2) { /* (with the base: without act8 no column takes the high digit alone) */
+        if (nh == ncb) {
+            fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true, true);
+            return;
+        }
+        if (nh == 0) {
+            fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false, false);
+            return;
+        }
+        fused_pair(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, 2, tot, coarse, h[0], h[1]);
+        fused_pair(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a + 2, ncb - 2, tot + 2, coarse, h[2], ncb == 4 && h[3]);
+        return;
+    }
+    fused_pair(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, h[0], ncb == 2 && h[1]);
 }
 
 /* columns c .. c + ncb - 1 (ncb = 1 to FUSED_WIDE, a constant where inlined) of row r, unit after unit over
@@ -513,18 +543,18 @@ INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, i
     }
 }
 
-/* one column's sums over a unit decoded in the L1 buffers (b, e), its residual's digits as hi says */
+/* one column's sums over a unit decoded in the L1 buffers (b, e), both halves' digits as hi says */
 INL __m256 buffered_unit(int bt, int rt, int ng, const unit_buf * b, const unit_buf * e, const colp * a, bool coarse,
                          bool hi) {
     sums ab, ar;
     sums_init(&ab);
     sums_init(&ar);
     _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-        if (bt != T_NONE) apply_group(bt, coarse, g, b->u[g], b->q[g], b->G[g], b->D[g], a->d0 + 32 * g, a->d1 + 32 * g, &ab, 0);
+        if (bt != T_NONE) apply_r(bt, coarse, hi, g, b->u[g], b->q[g], b->G[g], b->D[g], a, &ab, 0);
         if (rt != T_NONE) apply_r(rt, coarse, hi, g, e->u[g], e->q[g], e->G[g], e->D[g], a, &ar, 0);
     }
     __m256 v = _mm256_setzero_ps();
-    if (bt != T_NONE) v = sums_end(bt, coarse, false, ng, &ab, &b->sc, a->xs16);
+    if (bt != T_NONE) v = sums_r(bt, coarse, hi, ng, &ab, &b->sc, a);
     if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, hi, ng, &ar, &e->sc, a));
     return v;
 }
@@ -532,12 +562,12 @@ INL __m256 buffered_unit(int bt, int rt, int ng, const unit_buf * b, const unit_
 /* one column's sums over a unit decoded in the L1 buffers (b, e), its residual's digits as the
  * column's block allows (r_alone_hi), times its block scale into its total *t: the one-row loop's
  * body for each column, and the tile's for a column whose pair does not take the high digit alone */
-INL void buffered_column(int bt, int rt, int ng, const unit_buf * b, const unit_buf * e, const colp * a, bool coarse,
-                         __m256 * t) {
+INL void buffered_column(bool act8, int bt, int rt, int ng, const unit_buf * b, const unit_buf * e, const colp * a,
+                         bool coarse, __m256 * t) {
     /* read the decoded unit from L1 in every column: kept in registers across the column loop it
      * would spill */
     __asm__("" : "+r"(b), "+r"(e));
-    const __m256 v = r_alone_hi(bt, rt, coarse, a) ? buffered_unit(bt, rt, ng, b, e, a, coarse, true)
+    const __m256 v = r_alone_hi(act8, bt, rt, coarse, a) ? buffered_unit(bt, rt, ng, b, e, a, coarse, true)
                                                    : buffered_unit(bt, rt, ng, b, e, a, coarse, false);
     *t = _mm256_fmadd_ps(_mm256_set1_ps(a->s), v, *t);
 }
@@ -583,7 +613,7 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
             colp a0 = col_at(job, cb, 0, k0, qa);
             while (c < nc) {
                 const colp a1 = c + 1 < nc ? col_at(job, cb, c + 1, k0, qa) : a0;
-                if (c + 1 < nc && r_alone_hi(T_NONE, rt, false, &a0) && r_alone_hi(T_NONE, rt, false, &a1)) {
+                if (c + 1 < nc && r_alone_hi(false, T_NONE, rt, false, &a0) && r_alone_hi(false, T_NONE, rt, false, &a1)) {
                     __m256i acc[2 * TILE_ROWS];
                     for (int j = 0; j < 2 * TILE_ROWS; j++) acc[j] = _mm256_setzero_si256();
                     _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
@@ -609,7 +639,7 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                 }
                 /* column c alone, row by row (no base: e[i] stands for both buffers) */
                 for (int i = 0; i < TILE_ROWS; i++) {
-                    buffered_column(T_NONE, rt, ng, e + i, e + i, &a0, false, &tot[c * TILE_ROWS + i]);
+                    buffered_column(false, T_NONE, rt, ng, e + i, e + i, &a0, false, &tot[c * TILE_ROWS + i]);
                 }
                 c += 1;
                 a0 = a1; /* column c's, already computed */
@@ -704,7 +734,7 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
             }
             for (int64_t c = 0; c < nc; c++) {
                 const colp a = col_at(job, cb, c, k0, qa);
-                buffered_column(bt, rt, ng, hb, hr, &a, coarse, &tot[c]);
+                buffered_column(job->act8, bt, rt, ng, hb, hr, &a, coarse, &tot[c]);
             }
         }
         for (int64_t c = 0; c < nc; c++) {
