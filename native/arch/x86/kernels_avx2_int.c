@@ -478,13 +478,13 @@ INL void fused_pair(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * 
  * the rest (the same integers, in the same floating-point order: batch-invariant) */
 INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
                     const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb, unit_sc * hr, int64_t k0, int64_t c0,
-                    int ncb, __m256 * tot, bool coarse) {
+                    int ncb, __m256 * tot, bool coarse, bool act8) {
     colp a[FUSED_WIDE];
     bool h[FUSED_WIDE];
     int nh = 0;
     for (int j = 0; j < ncb; j++) {
         a[j] = col_at(job, cb, c0 + j, k0, qa);
-        h[j] = r_alone_hi(job->act8, bt, rt, coarse, &a[j]);
+        h[j] = r_alone_hi(act8, bt, rt, coarse, &a[j]);
         nh += h[j];
     }
     if (ncb > 2) { /* (with the base: without act8 no column takes the high digit alone) */
@@ -507,7 +507,7 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
  * the whole row: the pair's totals are locals, in registers across the units. The first pair
  * (c = 0) prefetches the row and decodes each unit's scales into scb / scr (one per unit of the
  * row), which the other pairs read back */
-INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, int64_t c, int ncb, unit_sc * scb,
+INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, bool act8, int64_t r, int64_t c, int ncb, unit_sc * scb,
                    unit_sc * scr, const uint8_t * brow, const uint8_t * rrow, const uint8_t * bend,
                    const uint8_t * rend) {
     const int64_t K = job->K;
@@ -534,7 +534,7 @@ INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, int64_t r, i
         }
         const __m256i Sb = bt != T_NONE ? hb->S : _mm256_setzero_si256();
         const __m256i Sr = rt != T_NONE ? hr->S : _mm256_setzero_si256();
-        fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, ncb, pt, coarse);
+        fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, ncb, pt, coarse, act8);
     }
     for (int j = 0; j < ncb; j++) {
         float * y = job->y + (c + j) * job->ldy + r;
@@ -659,8 +659,12 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
 #endif
 
 /* Every (row, column) sees the same operations in the same order: per unit, each half's sums
- * (base first), their offsets, times the block scale s, into the column's total. */
-INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, int64_t r1, bs_scratch * scratch) {
+ * (base first), their offsets, times the block scale s, into the column's total. act8: a constant
+ * (rows_body), so that W2 + R with 16-bit activations compiles to the code it had before 8-bit
+ * ones existed (their body choice per unit, made at run time, took 1-8% more time at 1-5 columns
+ * with 16 bits: python bench/native_ab.py, 2-core Zen 4, Qwen2.5-Coder-1.5B q6_k split) */
+INL void rows_body_bits(const bs_job * job, int bt, int rt, bool coarse, bool act8, int64_t r0, int64_t r1,
+                        bs_scratch * scratch) {
     const int64_t K = job->K, nc = job->n_cols;
     if (nc < 1) {
         return;
@@ -700,16 +704,16 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
                 /* with the base, up to FUSED_WIDE columns per decoding (the residual alone keeps
                  * pairs: its digit choice per column makes a body per combination) */
                 if (FUSED_WIDE >= 4 && bt != T_NONE && left >= 4) {
-                    fused_row(job, bt, rt, coarse, r, c, 4, scb, scr, brow, rrow, bend, rend);
+                    fused_row(job, bt, rt, coarse, act8, r, c, 4, scb, scr, brow, rrow, bend, rend);
                     c += 4;
                 } else if (FUSED_WIDE >= 4 && bt != T_NONE && left == 3) {
-                    fused_row(job, bt, rt, coarse, r, c, 3, scb, scr, brow, rrow, bend, rend);
+                    fused_row(job, bt, rt, coarse, act8, r, c, 3, scb, scr, brow, rrow, bend, rend);
                     c += 3;
                 } else if (left >= 2) {
-                    fused_row(job, bt, rt, coarse, r, c, 2, scb, scr, brow, rrow, bend, rend);
+                    fused_row(job, bt, rt, coarse, act8, r, c, 2, scb, scr, brow, rrow, bend, rend);
                     c += 2;
                 } else {
-                    fused_row(job, bt, rt, coarse, r, c, 1, scb, scr, brow, rrow, bend, rend);
+                    fused_row(job, bt, rt, coarse, act8, r, c, 1, scb, scr, brow, rrow, bend, rend);
                     c += 1;
                 }
             }
@@ -734,7 +738,7 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
             }
             for (int64_t c = 0; c < nc; c++) {
                 const colp a = col_at(job, cb, c, k0, qa);
-                buffered_column(job->act8, bt, rt, ng, hb, hr, &a, coarse, &tot[c]);
+                buffered_column(act8, bt, rt, ng, hb, hr, &a, coarse, &tot[c]);
             }
         }
         for (int64_t c = 0; c < nc; c++) {
@@ -742,6 +746,15 @@ INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, 
             const float v = hsum8(tot[c]);
             *y = job->accumulate ? *y + v : v;
         }
+    }
+}
+
+/* W2 + R compiled twice: with 16-bit activations and with 8 (job->act8) */
+INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, int64_t r1, bs_scratch * scratch) {
+    if (bt != T_NONE && rt != T_NONE && !coarse && job->act8) {
+        rows_body_bits(job, bt, rt, coarse, true, r0, r1, scratch);
+    } else {
+        rows_body_bits(job, bt, rt, coarse, false, r0, r1, scratch);
     }
 }
 
