@@ -293,12 +293,13 @@ def run(
             if not as_json:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
+        bits = gen.sm.residual.act_bits  # as --act-bits resolved here (read while the model is open)
     res = results[0]
     st = res.stats
     if as_json:
         obj = res.to_json()
         obj.update({"tree_nodes": gen.shape.nodes, "tree_shape": [gen.shape.nodes, gen.shape.width, gen.shape.rounds],
-                    "kernel": gen.kernel, "act_bits": gen.sm.residual.act_bits, "prompt": prompt})
+                    "kernel": gen.kernel, "act_bits": bits, "prompt": prompt})
         if gen.auto_choice:
             obj["auto"] = gen.auto_choice
         _print_json(obj)

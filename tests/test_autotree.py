@@ -258,7 +258,7 @@ def test_the_cost_curves_are_kept_per_residual(tiny_f32, tiny_split, tmp_path):
     assert fps[0] == fps[1]
 
     def setup(d):
-        res = SimpleNamespace(residual_path=d / "residual.gguf")
+        res = SimpleNamespace(residual_path=d / "residual.gguf", act_bits=16)
         return autotree.setup_of(SimpleNamespace(n_gpu_layers=0, fast_drafter=None, rpc=None, residual=res))
 
     assert setup(tiny_split) == setup(tiny_split)
@@ -306,11 +306,12 @@ def test_a_cap_set_after_a_cached_profile_measures_again(tiny_split, tmp_path, m
 
 def test_the_cost_curves_are_kept_per_kernel_setting(tiny_split, monkeypatch):
     """The profile's key holds the cap, the half-rate override and BITSPLIT_KERNEL: each changes
-    which families run or which the policy prefers, so none reuses the others' pinned family."""
+    which families run or which the policy prefers, so none reuses the others' pinned family; and the
+    verifier's activation bits, which change a verify pass's cost."""
     from types import SimpleNamespace
 
-    def setup():
-        res = SimpleNamespace(residual_path=tiny_split / "residual.gguf")
+    def setup(act_bits=16):
+        res = SimpleNamespace(residual_path=tiny_split / "residual.gguf", act_bits=act_bits)
         return autotree.setup_of(SimpleNamespace(n_gpu_layers=0, fast_drafter=None, rpc=None, residual=res))
 
     for name in ("BITSPLIT_MAX_ISA", "BITSPLIT_HALF_RATE_512", "BITSPLIT_KERNEL"):
@@ -323,6 +324,9 @@ def test_the_cost_curves_are_kept_per_kernel_setting(tiny_split, monkeypatch):
     monkeypatch.delenv("BITSPLIT_MAX_ISA")
     monkeypatch.setenv("BITSPLIT_KERNEL", "generic")
     assert setup() not in (plain, capped)
+    monkeypatch.delenv("BITSPLIT_KERNEL")
+    # the verifier's activation bits (--act-bits, as resolved): 8 halves the multiplies of a pass
+    assert setup(8) != setup(16) == plain and "act_bits=8" in setup(8)
 
 
 def test_a_profile_family_this_run_cannot_pin_is_left_to_the_policy(tiny_split, tmp_path, monkeypatch):
