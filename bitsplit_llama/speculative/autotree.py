@@ -148,7 +148,8 @@ def setup_of(sm, residual_fingerprint: str | None = None) -> str:
     and a q6_k residual behind the same base.gguf read different bytes per verify pass), and the
     settings that change which kernel families run and which the policy prefers (the cap
     ``BITSPLIT_MAX_ISA``, ``BITSPLIT_HALF_RATE_512``, ``BITSPLIT_KERNEL``: a profile measured
-    without the cap pinned a family the cap then refused). ``residual_fingerprint`` is
+    without the cap pinned a family the cap then refused), and the verifier's activation bits as
+    ``--act-bits`` resolved (8 halve a verify pass's multiplies). ``residual_fingerprint`` is
     :func:`~bitsplit_llama.formats.modeldir.residual_keys`'s, read here when the caller has not."""
     from ..native import build_key, policy
 

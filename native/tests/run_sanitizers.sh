@@ -48,13 +48,20 @@ command -v "$CC" >/dev/null || die "no C compiler ($CC)"
 case "$(uname -m)" in aarch64|arm64) ARCH=arm ;; *) ARCH=x86 ;; esac
 # --- build ------------------------------------------------------------------------------------------
 SAN=(-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1)
-say "building with $CC ${SAN[*]} against $INC and $LIB/libggml-base.so.0"
-"$CC" -std=c11 "${SAN[@]}" -Wall -Wno-unused-function -DBS_TEST_HOOKS \
-    -Inative -I"$INC" \
-    native/tests/test_native.c native/*.c native/arch/"$ARCH"/*.c \
-    -o "$WORK/test_native" \
-    -L"$LIB" -l:libggml-base.so.0 -Wl,-rpath,"$LIB" -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits,--wrap=posix_memalign -lpthread -lm \
+JOBS=$(nproc 2>/dev/null || echo 2)
+say "building with $CC ${SAN[*]} against $INC and $LIB/libggml-base.so.0 ($JOBS compilers at once)"
+# one object per source, $JOBS at a time (the three compilations of kernels_avx2_int.c take most of
+# the time), then one link
+mkdir -p "$WORK/obj"
+export CC WORK INC
+export SANFLAGS="${SAN[*]}"
+printf '%s\n' native/tests/test_native.c native/*.c native/arch/"$ARCH"/*.c |
+    xargs -P "$JOBS" -I{} sh -c 'o="$WORK/obj/$(echo "$1" | tr / _).o"; "$CC" -std=c11 $SANFLAGS -Wall \
+        -Wno-unused-function -DBS_TEST_HOOKS -Inative -I"$INC" -c "$1" -o "$o"' _ {} \
     || die "build failed"
+"$CC" "${SAN[@]}" "$WORK"/obj/*.o -o "$WORK/test_native" \
+    -L"$LIB" -l:libggml-base.so.0 -Wl,-rpath,"$LIB" -Wl,--wrap=mmap,--wrap=munmap,--wrap=ggml_get_type_traits,--wrap=posix_memalign -lpthread -lm \
+    || die "link failed"
 
 # --- LeakSanitizer available? (it needs ptrace-like access to the process; some sandboxes refuse) ---
 LEAKS=1

@@ -474,8 +474,11 @@ INL void fused_pair(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * 
 }
 
 /* the body for these columns' digit choices, each a constant in it (a branch per group and column
- * made the 2-column pass 1.19x slower, measured); 3-4 columns whose choices differ run as a pair and
- * the rest (the same integers, in the same floating-point order: batch-invariant) */
+ * made the 2-column pass 1.19x slower, measured). With act8 (W2 + R on 8-bit activations, pairs at
+ * most: rows_body_bits) a pair takes one body for its common choice, and a pair whose columns differ
+ * runs as two columns (the same integers, in the same floating-point order: batch-invariant): two
+ * bodies per width, not one per combination, which had made the library's build (and its
+ * sanitizer build: kernels_avx2_int.c 55 s -> 209 s under ASan) several times longer */
 INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
                     const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb, unit_sc * hr, int64_t k0, int64_t c0,
                     int ncb, __m256 * tot, bool coarse, bool act8) {
@@ -487,17 +490,26 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
         h[j] = r_alone_hi(act8, bt, rt, coarse, &a[j]);
         nh += h[j];
     }
-    if (ncb > 2) { /* (with the base: without act8 no column takes the high digit alone) */
-        if (nh == ncb) {
-            fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true, true);
+    if (ncb > 2) { /* with the base and 16-bit activations (act8 keeps to pairs): both digits */
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false, false);
+        return;
+    }
+    if (act8 && bt != T_NONE) {
+        if (nh == 0 || nh == ncb) {
+            if (nh > 0) {
+                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true, false);
+            } else {
+                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false, false);
+            }
             return;
         }
-        if (nh == 0) {
-            fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false, false);
-            return;
+        _Pragma("GCC unroll 1") for (int j = 0; j < ncb; j++) {
+            if (h[j]) {
+                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a + j, 1, tot + j, coarse, true, false, false);
+            } else {
+                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a + j, 1, tot + j, coarse, false, false, false);
+            }
         }
-        fused_pair(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, 2, tot, coarse, h[0], h[1]);
-        fused_pair(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a + 2, ncb - 2, tot + 2, coarse, h[2], ncb == 4 && h[3]);
         return;
     }
     fused_pair(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, h[0], ncb == 2 && h[1]);
@@ -701,12 +713,12 @@ INL void rows_body_bits(const bs_job * job, int bt, int rt, bool coarse, bool ac
              * every unit */
             for (int64_t c = 0; c < nc;) {
                 const int64_t left = nc - c;
-                /* with the base, up to FUSED_WIDE columns per decoding (the residual alone keeps
-                 * pairs: its digit choice per column makes a body per combination) */
-                if (FUSED_WIDE >= 4 && bt != T_NONE && left >= 4) {
+                /* with the base, up to FUSED_WIDE columns per decoding (the residual alone and 8-bit
+                 * W2 + R keep pairs: their digit choice per column makes more bodies) */
+                if (FUSED_WIDE >= 4 && bt != T_NONE && !act8 && left >= 4) {
                     fused_row(job, bt, rt, coarse, act8, r, c, 4, scb, scr, brow, rrow, bend, rend);
                     c += 4;
-                } else if (FUSED_WIDE >= 4 && bt != T_NONE && left == 3) {
+                } else if (FUSED_WIDE >= 4 && bt != T_NONE && !act8 && left == 3) {
                     fused_row(job, bt, rt, coarse, act8, r, c, 3, scb, scr, brow, rrow, bend, rend);
                     c += 3;
                 } else if (left >= 2) {
