@@ -222,9 +222,10 @@ bool bs_resolve_act8(const bitsplit_ctx * ctx, enum ggml_type res) {
     if (ctx->act_bits != BITSPLIT_ACTS_AUTO) {
         return ctx->act_bits == BITSPLIT_ACTS_8;
     }
-    /* measured where it pays: AVX2-only, W2 + R of the Qwen2.5-Coder-1.5B q6_k split 1.08-1.14x
-     * faster end to end at 0.53x stock Q8_0's KL (README); with a q8_0 residual the 0.5x gate is
-     * not kept (0.48x), with AVX-512 the gain was within noise */
+    /* measured where it pays: AVX2-only (a 2-core Zen 4 with llama.cpp built for AVX2), the
+     * Qwen2.5-Coder-1.5B q6_k split 1.03-1.29x faster end to end (median 1.14) at 0.53x / 0.94x
+     * stock Q8_0's KL on code / English (README); with a q8_0 residual its 0.5x gate is not kept
+     * (0.48x in a trial); with AVX-512 the verifier is ~1.0x stock Q8_0 already at 0.05x its KL */
     return res == GGML_TYPE_Q6_K && bs_act8_auto_here();
 }
 

@@ -453,8 +453,8 @@ INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8
  * and with act8 (BITSPLIT_ACTS_8) in W2 + R for both halves. Without act8, W2 + R keeps two digits:
  * measured on a 2-core Zen 3 (bench/native_ab.py, W2 + R, Qwen2.5-Coder-1.5B q6_k split), the high
  * digit for R alone saved 0-7% at 1-4 columns and doubled the verifier's KL (0.052x -> 0.098x stock
- * Q8_0's); for both halves, on a Zen 4 with llama.cpp and this library on AVX2 alone, 1.08-1.14x
- * end to end at 0.53x stock Q8_0's KL (README) */
+ * Q8_0's); for both halves, on a Zen 4 with llama.cpp and this library on AVX2 alone, 1.03-1.29x
+ * end to end over six pairs (median 1.14) at 0.53x stock Q8_0's KL on code, 0.94x on English (README) */
 INL bool r_alone_hi(bool act8, int bt, int rt, bool coarse, const colp * a) {
     return (bt == T_NONE || act8) && rt != T_NONE && !coarse && a->hi;
 }
@@ -477,8 +477,9 @@ INL void fused_pair(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * 
  * made the 2-column pass 1.19x slower, measured). With act8 (W2 + R on 8-bit activations, pairs at
  * most: rows_body_bits) a pair takes one body for its common choice, and a pair whose columns differ
  * runs as two columns (the same integers, in the same floating-point order: batch-invariant): two
- * bodies per width, not one per combination, which had made the library's build (and its
- * sanitizer build: kernels_avx2_int.c 55 s -> 209 s under ASan) several times longer */
+ * bodies per width, not one per combination (with those, and avx512vnni-int16's 3-4 column sets
+ * under act8, kernels_avx512vnni_int.c compiled for over 9 minutes under ASan; 383 s now, and
+ * kernels_avx2_int.c 236 s against 55 s before 8-bit W2 + R: native/tests/run_sanitizers.sh) */
 INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
                     const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb, unit_sc * hr, int64_t k0, int64_t c0,
                     int ncb, __m256 * tot, bool coarse, bool act8) {
