@@ -52,7 +52,7 @@ def check_profile(p: dict) -> None:
     assert p["half_rate_512"] is policy.half_rate_512()
     # the verifier's activations its (W2+R).x rows ran with: "auto" for the synthetic split's Q6_K residual
     x86 = p["arch"].lower() in ("x86_64", "amd64")
-    avx512 = bool({"vnni-int24", "amx-bf16", "avx512-bf16", "avx512vnni-int16"} & set(fams))
+    avx512 = bool(policy.AVX512_FAMILIES & set(fams))
     assert p["act_bits"] == (8 if x86 and not avx512 else 16)
     assert p["kernel_by_batch"] == {str(b): policy.kernel_for_batch(b) for b in (1, 2, 4, 5, 8, 16, 32, 64)}
     alone = {str(b): policy.kernel_for_batch(b, residual_alone=True) for b in (1, 2, 4, 5, 8, 16, 32, 64)}

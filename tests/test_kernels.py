@@ -40,8 +40,6 @@ ACT_BITS = {"avx2-int16": 32512, "avxvnni-int16": 32512, "avx512vnni-int16": 325
 # families that use the weights as they are (integer or f32 arithmetic), not rounded to bf16
 EXACT_WEIGHTS = {"vnni-int24", "avx2-int16", "avxvnni-int16", "avx512vnni-int16", "neon-int16", "avx2-f32", "neon-f32"}
 SUPERBLOCK_TYPES = {10, 11, 12, 13, 14}  # Q2_K .. Q6_K
-# the families that need AVX-512 (or AMX): where one runs, "auto" keeps 16-bit verifier activations
-AVX512_FAMILIES = {"vnni-int24", "amx-bf16", "avx512-bf16", "avx512vnni-int16"}
 
 
 HI_SPAN = 16  # the residual's 8-bit blocks: max|X| (= ACT_BITS) within HI_SPAN x mean |X|
@@ -212,7 +210,7 @@ def test_act_bits_auto_by_cpu_and_residual(tiny_split, type_splits):
             env["BITSPLIT_MAX_ISA"] = cap
         out = subprocess.run([sys.executable, "-c", code, str(q6), str(q8)], env=env, capture_output=True,
                              text=True, check=True).stdout.split()
-        avx512 = cap is None and bool(AVX512_FAMILIES & set(HERE))
+        avx512 = cap is None and bool(policy.AVX512_FAMILIES & set(HERE))
         assert out == [("8" if x86 and not avx512 else "16"), "16"], (cap, out)
     with Residual(q6) as res:
         for bad in ("4", "32", "", "eight"):

@@ -10,6 +10,9 @@ from .build import load
 # neon-int16 where the CPU has the dot product, neon-f32 and generic). What runs here is families().
 ALL_FAMILIES = ("vnni-int24", "amx-bf16", "avx512-bf16", "avx512vnni-int16", "avxvnni-int16", "avx2-int16", "avx2-f32",
                 "neon-int16", "neon-f32", "generic")
+# The families that need AVX-512 or AMX (the cap's avx512 level and above): where one runs,
+# --act-bits auto keeps the verifier's 16-bit activations (native/kernels.c bs_act8_auto_here)
+AVX512_FAMILIES = frozenset({"vnni-int24", "amx-bf16", "avx512-bf16", "avx512vnni-int16"})
 # The values BITSPLIT_MAX_ISA accepts, lowest first (avx2 and neon are the same level).
 ISA_LEVELS = ("generic", "avx2", "neon", "avxvnni", "avx512", "amx")
 

@@ -399,7 +399,7 @@ INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
 /* group g of one unit applied to ncb columns (base half first) */
 INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb,
                      unit_sc * hr, int g, const colp * a, int ncb, sums * ab, sums * ar, bool coarse, bool h0,
-                     bool h1, bool hn) {
+                     bool h1) {
     __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
     __m256 D = _mm256_setzero_ps();
     /* with the base, verifying with both digits: two chains per digit at 1-2 columns, one vpdpwssd
@@ -408,21 +408,22 @@ INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m
     if (bt != T_NONE) {
         decode_group(bt, bp, Sb, g, hb, &u, &q, &G, &D);
         /* the base: the high digit alone where the column's block takes it (r_alone_hi: act8) */
-        for (int j = 0; j < ncb; j++) apply_r(bt, coarse, j == 0 ? h0 : j == 1 ? h1 : hn, g, u, q, G, D, &a[j], &ab[j], chains);
+        for (int j = 0; j < ncb; j++) apply_r(bt, coarse, j == 0 ? h0 : h1, g, u, q, G, D, &a[j], &ab[j], chains);
     }
     if (rt != T_NONE) {
         decode_group(rt, rp, Sr, g, hr, &u, &q, &G, &D);
         /* the residual: the high digit alone (8-bit activations) where the column's block takes it */
-        for (int j = 0; j < ncb; j++) apply_r(rt, coarse, j == 0 ? h0 : j == 1 ? h1 : hn, g, u, q, G, D, &a[j], &ar[j], chains);
+        for (int j = 0; j < ncb; j++) apply_r(rt, coarse, j == 0 ? h0 : h1, g, u, q, G, D, &a[j], &ar[j], chains);
     }
 }
 
 /* One unit applied to columns c0 .. c0 + ncb - 1 (ncb = 1 to FUSED_WIDE, a constant where inlined), each
- * group decoded in registers and applied to every column at once; h0 / h1 / hn: whether columns
- * c0 / c0 + 1 / the others take the high digit alone (constants: fused_unit chooses the body). */
+ * group decoded in registers and applied to every column at once; h0 / h1: whether column c0 / the
+ * others take the high digit alone (constants: fused_unit chooses the body; 3-4 columns, with 16-bit
+ * activations alone, take neither). */
 INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr,
                          unit_sc * hb, unit_sc * hr, const colp * a, int ncb, __m256 * tot, bool coarse,
-                         bool h0, bool h1, bool hn) {
+                         bool h0, bool h1) {
     sums ab[FUSED_WIDE], ar[FUSED_WIDE];
     for (int j = 0; j < ncb; j++) {
         sums_init(&ab[j]);
@@ -433,14 +434,14 @@ INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8
          * groups' codes and scales and spills them (a third of the time at 2 columns, measured) */
         _Pragma("GCC unroll 1") for (int n = 0; n < 2; n++) {
             _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
-                fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 4 * n + i, a, ncb, ab, ar, coarse, h0, h1, hn);
+                fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 4 * n + i, a, ncb, ab, ar, coarse, h0, h1);
             }
         }
     } else {
-        fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 0, a, ncb, ab, ar, coarse, h0, h1, hn);
+        fused_group(bt, rt, bp, rp, Sb, Sr, hb, hr, 0, a, ncb, ab, ar, coarse, h0, h1);
     }
     for (int j = 0; j < ncb; j++) {
-        const bool hj = j == 0 ? h0 : j == 1 ? h1 : hn;
+        const bool hj = j == 0 ? h0 : h1;
         __m256 v = _mm256_setzero_ps();
         if (bt != T_NONE) v = sums_r(bt, coarse, hj, ng, &ab[j], hb, &a[j]);
         if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, hj, ng, &ar[j], hr, &a[j]));
@@ -463,13 +464,13 @@ INL bool r_alone_hi(bool act8, int bt, int rt, bool coarse, const colp * a) {
 INL void fused_pair(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr,
                     unit_sc * hb, unit_sc * hr, const colp * a, int ncb, __m256 * tot, bool coarse, bool h0, bool h1) {
     if (h0 && h1) {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true, false);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true);
     } else if (h0) {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, false, false);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, false);
     } else if (h1) {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, true, false);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, true);
     } else {
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false, false);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false);
     }
 }
 
@@ -492,24 +493,20 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
         nh += h[j];
     }
     if (ncb > 2) { /* with the base and 16-bit activations (act8 keeps to pairs): both digits */
-        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false, false);
+        fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false);
         return;
     }
     if (act8 && bt != T_NONE) {
         if (nh == 0 || nh == ncb) {
             if (nh > 0) {
-                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true, false);
+                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true);
             } else {
-                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false, false);
+                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false);
             }
             return;
         }
         _Pragma("GCC unroll 1") for (int j = 0; j < ncb; j++) {
-            if (h[j]) {
-                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a + j, 1, tot + j, coarse, true, false, false);
-            } else {
-                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a + j, 1, tot + j, coarse, false, false, false);
-            }
+            fused_pair(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a + j, 1, tot + j, coarse, h[j], false);
         }
         return;
     }
