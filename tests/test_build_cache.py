@@ -89,11 +89,32 @@ def test_a_new_build_prunes_stale_builds(cache, monkeypatch):
 
     monkeypatch.setattr(build.subprocess, "run", fake_run)
     target = build.build()
-    assert len(calls) == 1 and target.exists() and target.parent.parent == cache
+    srcs = build.sources(build.source_dir())
+    # one compile per source (in parallel), then one link of every object
+    compiled = sorted(c[c.index("-c") + 1] for c in calls[:-1])
+    assert compiled == sorted(str(build.source_dir() / s) for s in srcs)
+    assert "-c" not in calls[-1] and "-shared" in calls[-1] and sum(a.endswith(".o") for a in calls[-1]) == len(srcs)
+    assert target.exists() and target.parent.parent == cache and not list(target.parent.glob(".objs.*"))
     assert not stale.exists() and recent.exists()
     # a cache hit compiles nothing and removes nothing
     older = _fake_build(cache, "f" * 20, age_days=build.STALE_DAYS + 5)
-    assert build.build() == target and len(calls) == 1 and older.exists()
+    n = len(calls)
+    assert build.build() == target and len(calls) == n and older.exists()
+
+
+def test_a_failed_compile_names_the_source_and_leaves_nothing(cache, monkeypatch):
+    def fake_run(cmd, **kw):
+        if "-c" in cmd and cmd[cmd.index("-c") + 1].endswith("pool.c"):
+            return subprocess.CompletedProcess(cmd, 1, "", "pool.c:1:1: error: something is wrong")
+        with open(cmd[cmd.index("-o") + 1], "wb") as f:
+            f.write(b"\0")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(build.subprocess, "run", fake_run)
+    with pytest.raises(build.NativeError, match=r"compiling \S*pool\.c.*something is wrong"):
+        build.build()
+    left = [p.name for p in cache.rglob("*") if p.is_file() and p.name != ".lock"]
+    assert left == [] and not list(cache.rglob(".objs.*"))
 
 
 def test_build_native_prune_keeps_the_current_build(real_lib, cache, capsys):

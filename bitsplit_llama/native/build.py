@@ -1,7 +1,7 @@
 """Build, locate and load the native library (the C sources of the repository's ``native/``).
 
 The library is compiled on first use (or by ``bitsplit build-native``) with the system C compiler,
-against exactly the ggml headers that llama-cpp-python installed and linked to exactly the
+one source per CPU at a time, against exactly the ggml headers that llama-cpp-python installed and linked to exactly the
 ``libggml-base`` it loaded, so the process holds one ggml. The sources are every ``native/*.c`` plus
 the kernel families of the running architecture, ``native/arch/<arch>/*.c`` (x86 on x86-64, arm on
 aarch64; other machines build the portable sources alone). Builds are cached under
@@ -20,10 +20,12 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 
@@ -48,6 +50,26 @@ def sources(src: Path) -> list[str]:
     if arch:
         names += sorted(f"arch/{arch}/{p.name}" for p in (src / "arch" / arch).glob("*.c"))
     return names
+
+
+def _by_cost(src: Path, names: list[str]) -> list[str]:
+    """``names`` in the order to compile them in parallel: the heaviest first, by the bytes of each
+    source and of the sources it includes (the int16 kernels are one file compiled three times)."""
+    def cost(name: str) -> int:
+        p = src / name
+        text = p.read_text(errors="replace")
+        inc = re.findall(r'^#include "([^"]+\.c)"', text, flags=re.M)
+        return len(text) + sum((p.parent / i).stat().st_size for i in inc if (p.parent / i).is_file())
+
+    return sorted(names, key=lambda n: (-cost(n), n))
+
+
+def _jobs() -> int:
+    """Compilers run at once: the CPUs this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def headers(src: Path) -> list[str]:
@@ -150,18 +172,36 @@ def build(force: bool = False, log=None) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)  # a prune may have removed it while this one waited
         cc = _compiler()
         tmp = out_dir / f".libbitsplit.{os.getpid()}.so"
-        cmd = [cc, *CFLAGS, "-shared", *[f"-I{d}" for d in include_dirs(info["src"])], f"-I{info['inc']}",
-               *[str(info["src"] / s) for s in sources(info["src"])], "-o", str(tmp),
-               f"-L{info['lib_dir']}", f"-l:{info['base'].name}", f"-Wl,-rpath,{info['lib_dir']}", "-lpthread"]
+        objs = out_dir / f".objs.{os.getpid()}"
+        srcs = _by_cost(info["src"], sources(info["src"]))
+        flags = [*CFLAGS, *[f"-I{d}" for d in include_dirs(info["src"])], f"-I{info['inc']}"]
+        compiles = [[cc, *flags, "-c", str(info["src"] / s), "-o", str(objs / (s.replace("/", "_") + ".o"))]
+                    for s in srcs]
+        link = [cc, "-shared", *[c[-1] for c in compiles], "-o", str(tmp), f"-L{info['lib_dir']}",
+                f"-l:{info['base'].name}", f"-Wl,-rpath,{info['lib_dir']}", "-lpthread"]
+        jobs = _jobs()
         if log:
-            log(f"building the native library ({cc}) against llama-cpp-python {info['version']} in {info['lib_dir']}")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
+            log(f"building the native library ({cc}, {len(srcs)} sources, {min(jobs, len(srcs))} at a time: a few "
+                f"minutes) against llama-cpp-python {info['version']} in {info['lib_dir']}")
+        try:
+            objs.mkdir(parents=True, exist_ok=True)
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                runs = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), compiles))
+            failed = next(((c, r) for c, r in zip(compiles, runs) if r.returncode != 0), None)
+            if failed is None:
+                failed = (link, subprocess.run(link, capture_output=True, text=True))
+                if failed[1].returncode == 0:
+                    failed = None
+        finally:
+            shutil.rmtree(objs, ignore_errors=True)
+        if failed is not None:
             tmp.unlink(missing_ok=True)
+            cmd, proc = failed
+            what = f"compiling {cmd[cmd.index('-c') + 1]}" if "-c" in cmd else "linking"
             tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
-            raise NativeError(f"building the native library failed ({cc}, sources {info['src']}, headers "
+            raise NativeError(f"building the native library failed ({what}; {cc}, sources {info['src']}, headers "
                               f"{info['inc']}, libggml-base {info['base']}): {tail}")
-        (out_dir / "build.txt").write_text(" ".join(cmd) + "\n")
+        (out_dir / "build.txt").write_text("".join(" ".join(c) + "\n" for c in [*compiles, link]))
         os.replace(tmp, target)
     try:
         prune(keep=key, older_than_s=STALE_DAYS * 86400.0)
@@ -228,7 +268,8 @@ def load():
 
     from .cdef import cdef
 
-    path = build()
+    # a build happens once per install, upgrade or source change, and takes minutes: say so
+    path = build(log=lambda s: print(f"bitsplit: {s} (once per install or upgrade)", file=sys.stderr, flush=True))
     try:
         (path.parent / USED).touch()  # this build is in use: no prune of stale builds takes it
     except OSError:
