@@ -4,6 +4,7 @@ interleaved pass by pass (A, B then B, A), so that a shared machine's drift hits
 
     python bench/native_ab.py LIB_A LIB_B SPLIT_DIR [--batches 1,2,4] [--rounds 8] [--threads N]
                               [--only NAME_PART] [--kernel FAMILY] [--kernel-b FAMILY] [--residual-only]
+                              [--act-bits auto|16|8]
 
 LIB_A / LIB_B: libbitsplit.so files, e.g. the path `bitsplit build-native` prints in each of two
 checkouts (or a path under ~/.cache/bitsplit-llama/native/). Prints per batch the best and median
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _residual(lib: Path, split: Path, threads: int):
+def _residual(lib: Path, split: Path, threads: int, act_bits: str):
     from bitsplit_llama.native import build
     from bitsplit_llama.native.residual import Residual
 
@@ -37,6 +38,7 @@ def _residual(lib: Path, split: Path, threads: int):
         build.build = real
         build.load.cache_clear()
     r.set_threads(threads)
+    r.set_act_bits(act_bits)
     return r
 
 
@@ -54,14 +56,22 @@ def main() -> None:
     ap.add_argument("--kernel", default=None, help="pin this family in both (default: the policy's per batch)")
     ap.add_argument("--kernel-b", default=None, help="pin this family in B instead (a change against another "
                                                      "family's arithmetic; the results then differ)")
+    ap.add_argument("--act-bits", default="auto", help="the verifier's activation bits in both (auto, 16 or 8; "
+                                                       "the int16 families' W2 + R)")
     a = ap.parse_args()
+    from bitsplit_llama.native.residual import check_act_bits
+
+    try:
+        check_act_bits(a.act_bits)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     from bitsplit_llama.runtime.llamacpp import default_threads
 
     for p in (a.lib_a, a.lib_b):
         if not p.is_file():
             raise SystemExit(f"{p}: no such library file")
     threads = a.threads or default_threads()
-    libs = [_residual(a.lib_a, a.split, threads), _residual(a.lib_b, a.split, threads)]
+    libs = [_residual(a.lib_a, a.split, threads, a.act_bits), _residual(a.lib_b, a.split, threads, a.act_bits)]
     if libs[0]._lib is libs[1]._lib:
         raise SystemExit("both paths loaded the same library")
     batches = [int(b) for b in a.batches.split(",")]
@@ -87,8 +97,8 @@ def main() -> None:
         for b in batches:
             for i in ((0, 1) if rnd % 2 == 0 else (1, 0)):
                 times[(i, b)].append(one_pass(libs[i], b)[0])
-    print(f"{a.split}: {len(names)} products, {threads} threads, {a.rounds} rounds, kernel "
-          f"{a.kernel or 'policy'}{f' (B: {a.kernel_b})' if a.kernel_b else ''}; A = {a.lib_a}, B = {a.lib_b}")
+    print(f"{a.split}: {len(names)} products, {threads} threads, {a.rounds} rounds, act bits "
+          f"{a.act_bits} ({libs[0].act_bits}), kernel {a.kernel or 'policy'}{f' (B: {a.kernel_b})' if a.kernel_b else ''}; A = {a.lib_a}, B = {a.lib_b}")
     for b in batches:
         ta, tb = times[(0, b)], times[(1, b)]
         ratio = statistics.median(y / x for x, y in zip(ta, tb))
