@@ -42,7 +42,9 @@ class SamplingParams:
 def top_candidates(scores: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
     """The m highest-scoring tokens of a logit or log-probability vector, best first."""
     m = min(m, scores.shape[-1])
-    idx = np.argpartition(scores, -m)[-m:]
+    # the m smallest of -scores: numpy's introselect for the m largest (kth = n - m) slows ~20x when
+    # most values are equal, as a draft vocabulary's -inf rows are (24 ms against 1 for 151,936)
+    idx = np.argpartition(-scores, m - 1)[:m]
     idx = idx[np.argsort(-scores[idx], kind="stable")]
     return idx, scores[idx]
 
