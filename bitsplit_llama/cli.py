@@ -97,6 +97,23 @@ ACT_BITS = typer.Option("auto", "--act-bits", callback=_check_act_bits,
                              "'auto' (8 with a q6_k residual on x86 CPUs without AVX-512, else 16).")
 
 
+def _vocab_arg(value: str) -> str | int:
+    return int(value) if value.isdigit() else value
+
+
+def _check_draft_vocab(value: str) -> str:
+    from .native.residual import check_draft_vocab
+
+    return str(check_draft_vocab(value))
+
+
+DRAFT_VOCAB = typer.Option("auto", "--draft-vocab", callback=_check_draft_vocab,
+                           help="The drafter's vocabulary: 'all' (the whole output head), a number N (the native "
+                                "drafter computes the head for token ids below N and the control tokens alone; "
+                                "output unchanged) or 'auto' (65536 where the head is an exact CPU tensor over "
+                                "twice that, off while over 5% of the last 64 tokens fall outside).")
+
+
 def _print_json(obj: dict) -> None:
     print(json.dumps(obj, separators=(",", ":")), flush=True)
 
@@ -271,6 +288,7 @@ def run(
     drafter: str = typer.Option("auto", "--drafter",
                                 help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
     draft_stop: str = DRAFT_STOP,
+    draft_vocab: str = DRAFT_VOCAB,
     verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's log."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, statistics)."),
 ) -> None:
@@ -284,7 +302,7 @@ def run(
     results = []
     with Generator(model_dir, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, tree_nodes=nodes,
                    precision=precision, act_bits=act_bits, verbose=verbose, drafter=drafter, log=_say, rpc=rpc,
-                   rpc_timeout=rpc_timeout, draft_stop=draft_stop) as gen:
+                   rpc_timeout=rpc_timeout, draft_stop=draft_stop, draft_vocab=_vocab_arg(draft_vocab)) as gen:
         if gen.auto_choice:
             _say(f"tree: {gen.shape.nodes} nodes (width {gen.shape.width}, {gen.shape.rounds} rounds), chosen for this "
                  f"machine: expected {gen.auto_choice['expected_tokens_per_second']} tokens/s")
@@ -294,12 +312,13 @@ def run(
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         bits = gen.sm.residual.act_bits  # as --act-bits resolved here (read while the model is open)
+        vocab = gen.sm.draft_vocab.rows
     res = results[0]
     st = res.stats
     if as_json:
         obj = res.to_json()
         obj.update({"tree_nodes": gen.shape.nodes, "tree_shape": [gen.shape.nodes, gen.shape.width, gen.shape.rounds],
-                    "kernel": gen.kernel, "act_bits": bits, "prompt": prompt})
+                    "kernel": gen.kernel, "act_bits": bits, "draft_vocab": vocab, "prompt": prompt})
         if gen.auto_choice:
             obj["auto"] = gen.auto_choice
         _print_json(obj)
@@ -425,6 +444,7 @@ def bench(
                                  help="With --rpc: compute R . x beside the device's W2 . x (default) or after it."),
     draft_stop: str = DRAFT_STOP,
     act_bits: str = ACT_BITS,
+    draft_vocab: str = DRAFT_VOCAB,
     with_no_spec: bool = typer.Option(False, "--with-no-spec",
                                       help="Also run bitsplit's verifier alone on every prompt, interleaved in the same run."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of the runs."),
@@ -440,7 +460,7 @@ def bench(
                     repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
                     drafter=drafter, with_no_spec=with_no_spec, log=None if quiet or as_json else _say, rpc=rpc,
                     rpc_timeout=rpc_timeout, overlap=overlap, n_gpu_layers=n_gpu_layers, draft_stop=draft_stop,
-                    act_bits=act_bits)
+                    act_bits=act_bits, draft_vocab=_vocab_arg(draft_vocab))
     s = rep.summary()
     if plot_path is not None:
         plot(rep, plot_path)
@@ -463,6 +483,8 @@ def bench(
     t.add_row("tokens per verify", "1", f"{s['accepted_per_verify']:.2f}")
     t.add_row("tree (nodes, width, rounds); drafter", "-", f"{s['tree_shape']}; {s['drafter']}")
     t.add_row("kernel; verifier activations", "-", f"{s['kernel']}; {s['act_bits']}-bit")
+    dv = s.get("draft_vocab")
+    t.add_row("draft vocabulary", "-", f"token ids below {dv} and the control tokens" if dv else "the whole head")
     if s["draft_stop"] is not None:
         t.add_row("nodes verified per cycle; early stops", "-",
                   f"{s['drafted_per_verify']:.1f}; {s['draft_early_stops']} (--draft-stop {s['draft_stop']})")

@@ -58,6 +58,15 @@ void bitsplit_ctx_set_draft_kernel(bitsplit_ctx * ctx, bool on) {
     if (ctx) atomic_store(&ctx->draft_fast, on);
 }
 
+int bitsplit_ctx_set_draft_vocab(bitsplit_ctx * ctx, int64_t rows, int64_t tail) {
+    if (ctx == NULL || rows < 0 || tail < rows) {
+        return BITSPLIT_E_INVALID;
+    }
+    ctx->draft_rows = rows;
+    ctx->draft_tail = tail;
+    return BITSPLIT_OK;
+}
+
 bool bitsplit_ctx_get_enabled(const bitsplit_ctx * ctx) {
     return ctx ? atomic_load(&((bitsplit_ctx *)ctx)->enabled) : false;
 }

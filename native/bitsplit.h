@@ -108,6 +108,12 @@ void bitsplit_ctx_set_enabled(bitsplit_ctx * ctx, bool enabled);
 /* With the residual disabled, compute the base's own weight products here too (CPU nodes only),
  * with the integer kernel: a faster drafter on CPUs. Off: the disabled callback observes nothing. */
 void bitsplit_ctx_set_draft_kernel(bitsplit_ctx * ctx, bool on);
+/* A draft vocabulary: with the draft kernel on, drafting passes compute the output head
+ * (output.weight, kept exact, on the CPU) for token ids [0, rows) and [tail, n_vocab) alone, here,
+ * and give the others -inf: the head's bytes in a drafting pass shrink to that share (BPE vocabularies
+ * number their tokens roughly by frequency; the tail holds the control tokens). rows = 0: the whole
+ * head (ggml's product). BITSPLIT_E_INVALID unless 0 <= rows <= tail. */
+int  bitsplit_ctx_set_draft_vocab(bitsplit_ctx * ctx, int64_t rows, int64_t tail);
 bool bitsplit_ctx_get_enabled(const bitsplit_ctx * ctx);
 int  bitsplit_ctx_set_precision(bitsplit_ctx * ctx, int precision);
 /* enum bitsplit_act_bits; BITSPLIT_E_INVALID for another value */

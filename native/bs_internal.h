@@ -76,6 +76,8 @@ typedef struct bs_job {
     bool act8;                   /* W2 + R takes 8-bit activations where a block allows (the 16-bit integer
                                     families; BITSPLIT_ACTS_8, resolved) */
     void * acts;                 /* activations prepared once per job (shared by the threads) */
+    bool any_cols;               /* a drafting product the draft family takes at any width (the output
+                                    head's rows in a draft vocabulary: ggml's kernel cannot skip rows) */
 } bs_job;
 
 /* instruction-set levels, for the cap BITSPLIT_MAX_ISA (generic < avx2|neon < avxvnni < avx512 < amx) */
@@ -257,6 +259,9 @@ struct bitsplit_ctx {
 
     atomic_bool enabled;
     atomic_bool draft_fast;
+    /* drafting passes compute the output head's rows [0, draft_rows) and [draft_tail, rows) alone,
+     * the others -inf (bitsplit_ctx_set_draft_vocab; 0: the whole head, by ggml) */
+    int64_t draft_rows, draft_tail;
     int precision;
     int act_bits;                /* enum bitsplit_act_bits */
     int mode;

@@ -15,6 +15,7 @@
 #define _GNU_SOURCE
 #include "bitsplit.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -84,6 +85,55 @@ static void op_mul_mat(struct ggml_tensor * dst, int ith, int nth, void * userda
 
 static void op_mul_mat_base(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     mul_mat(dst, ith, nth, userdata, true);
+}
+
+/* the output head's rows kept by a draft vocabulary: [0, *p) and [*t, N) */
+static void head_span(const bitsplit_ctx * ctx, int64_t N, int64_t * p, int64_t * t) {
+    *p = ctx->draft_rows < N ? ctx->draft_rows : N;
+    *t = ctx->draft_tail < N ? ctx->draft_tail : N;
+}
+
+/* rows [row0, row0 + n) of the head for the drafter, into the full-height columns y */
+static void head_job(bs_job * job, const bitsplit_ctx * ctx, const bs_entry * e, const uint8_t * w2, const float * x,
+                     int64_t n_cols, float * y, int64_t row0, int64_t n) {
+    bs_fill_job(job, e, w2 != NULL ? w2 + (size_t)row0 * e->base_row_bytes : NULL, row0, n);
+    job->r = NULL;
+    job->draft = true;
+    job->any_cols = true;
+    bs_job_columns(job, ctx, x, n_cols, y != NULL ? y + row0 : NULL);
+    job->ldy = e->ne[1];
+    job->acts = ctx->acts;
+}
+
+/* The output head in a drafting pass with a draft vocabulary (bitsplit_ctx_set_draft_vocab): its
+ * kept rows by the draft family, at any width (ggml's product cannot skip rows), the others -inf */
+static void op_mul_mat_head(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const bs_entry * e = userdata;
+    bitsplit_ctx * ctx = e->ctx;
+    const struct ggml_tensor * x = dst->src[1];
+    const uint64_t t0 = ith == 0 ? bs_now_ns() : 0;
+    const int64_t N = e->ne[1], n_cols = ggml_nrows(x);
+    int64_t p, t;
+    head_span(ctx, N, &p, &t);
+    const uint8_t * w2 = base_rows(e, dst->src[0]);
+    float * y = (float *)dst->data;
+    for (int64_t c = n_cols * ith / nth; c < n_cols * (ith + 1) / nth; c++) {
+        for (int64_t r = p; r < t; r++) {
+            y[c * N + r] = -INFINITY;
+        }
+    }
+    bs_job job;
+    head_job(&job, ctx, e, w2, (const float *)x->data, n_cols, y, 0, p);
+    bs_run_job(ctx, &job, ith, nth);
+    if (t < N) {
+        bs_barrier(ctx, nth); /* every thread done with the shared activations */
+        head_job(&job, ctx, e, w2, (const float *)x->data, n_cols, y, t, N - t);
+        bs_run_job(ctx, &job, ith, nth);
+    }
+    if (ith == 0) {
+        atomic_fetch_add(&ctx->c_draft, 1);
+        atomic_fetch_add(&ctx->c_ns_draft, bs_now_ns() - t0);
+    }
 }
 
 static void op_get_rows(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -387,10 +437,36 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     return false;
 }
 
+/* the output head in a drafting pass with a draft vocabulary: its kept rows here (op_mul_mat_head) */
+static bool ask_draft_head(bitsplit_ctx * ctx, struct ggml_tensor * t, const bs_entry * e) {
+    const struct ggml_tensor * x = t->src[1];
+    if (ctx->draft_rows <= 0 || strcmp(e->name, "output.weight") != 0 || x == NULL || !host(t) || !host(x) ||
+        !ctx->replace_ok || e->ne[2] != 1 || e->ne[3] != 1 || !plain_f32_matrix(x) || !plain_f32_matrix(t) ||
+        x->ne[0] != e->ne[0] || t->ne[0] != e->ne[1] || ctx->draft_rows >= e->ne[1]) {
+        return false;
+    }
+    int64_t p, tail;
+    head_span(ctx, e->ne[1], &p, &tail);
+    bs_job job;
+    head_job(&job, ctx, e, e->base_data, NULL, ggml_nrows(x), NULL, 0, p);
+    if (bs_draft_policy(&job) == NULL) {
+        return false; /* no draft family reads this type here: ggml's whole head */
+    }
+    bs_overlap_drain(ctx);
+    if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64)) {
+        return false; /* out of memory: ggml's own kernel will do */
+    }
+    mutate(t, op_mul_mat_head, e);
+    return false;
+}
+
 /* ask == true with the residual off and the fast drafter on: base products of CPU nodes here */
 static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     const bs_entry * e = entry_for(ctx, t);
     const struct ggml_tensor * x = t->src[1];
+    if (e != NULL && e->exact) {
+        return ask_draft_head(ctx, t, e);
+    }
     if (e == NULL || e->exact || x == NULL || !host(t) || !host(x) || !ctx->replace_ok || e->ne[2] != 1 || e->ne[3] != 1 ||
         !plain_f32_matrix(x) || !plain_f32_matrix(t) || x->ne[0] != e->ne[0] || t->ne[0] != e->ne[1]) {
         return false;

@@ -126,6 +126,36 @@ def test_speculative_sampling_is_lossless(tiny_split, nodes):
         assert stat < _chi2_critical(df, 0.001), (idx, stat, df)
 
 
+def test_draft_vocabulary_changes_no_token_and_no_distribution(exact_split, monkeypatch):
+    """A draft vocabulary (the drafter's head keeps token ids [0, rows)) changes what is proposed, never
+    what is emitted: greedy output is the verifier's, and sampling's second token follows the
+    verifier-alone distribution (chi-square, alpha=0.001) though the drafter gives the other tokens
+    probability 0."""
+    from bitsplit_llama.native import policy
+
+    if policy.draft_kernel() is None:
+        pytest.skip(f"no native drafting family on this CPU under BITSPLIT_MAX_ISA={policy.max_isa()}")
+    with Generator(exact_split, n_ctx=256, tree_nodes=8, draft_vocab="all") as g:
+        rows = g.sm.model.n_vocab // 2
+        plain = [g.generate(p, max_tokens=32, speculative=False).tokens for p in PROMPTS]
+        n = 800
+        alone = Counter(g.generate(PROMPTS[1], max_tokens=2, speculative=False, sampling=SamplingParams(
+            temperature=0.9, top_k=12, top_p=1.0, min_p=0.0, seed=i)).tokens[1] for i in range(n))
+    from bitsplit_llama.runtime.verifier import DraftVocab
+
+    # this random model's text spreads over the whole vocabulary: keep the draft vocabulary on
+    monkeypatch.setattr(DraftVocab, "MAX_OUTSIDE", 1.0)
+    with Generator(exact_split, n_ctx=256, tree_nodes=8, draft_vocab=rows) as g:
+        assert g.sm.draft_vocab.rows == rows
+        assert [g.generate(p, max_tokens=32).tokens for p in PROMPTS] == plain
+        assert g.sm.draft_vocab.active and g.sm.residual.counters().n_draft_products > 0
+        spec = Counter(g.generate(PROMPTS[1], max_tokens=2, sampling=SamplingParams(
+            temperature=0.9, top_k=12, top_p=1.0, min_p=0.0, seed=10_000 + i)).tokens[1] for i in range(n))
+    assert any(t >= rows for t in alone), "the test needs tokens outside the draft vocabulary"
+    stat, df = _two_sample_chi2(alone, spec)
+    assert df >= 3 and stat < _chi2_critical(df, 0.001), (stat, df)
+
+
 def test_draft_stop_values(tiny_split):
     assert parse_draft_stop(None) is None and parse_draft_stop("off") is None and parse_draft_stop("0") is None
     assert parse_draft_stop("auto") == "auto" and parse_draft_stop("0.25") == 0.25 and parse_draft_stop(1) == 1.0

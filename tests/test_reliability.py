@@ -185,6 +185,10 @@ OPTION_CASES = [
     (["bench", "{split}", "--vs", "{src}", "--act-bits", "12"], 2, "--act-bits: '12'"),
     (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/t.txt", "--act-bits", "auto8"], 2,
      "--act-bits: 'auto8'"),
+    (["run", "{split}", "-p", "x", "--draft-vocab", "0"], 2,
+     "--draft-vocab: '0' unknown (expected auto, all, or a number of token ids >= 1)"),
+    (["bench", "{split}", "--vs", "{src}", "--draft-vocab", "most"], 2, "--draft-vocab: 'most'"),
+    (["run", "{split}", "-p", "x", "--draft-vocab", "100"], 2, "--draft-vocab 100: needs the native drafter"),
     (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/nope.txt"], 1, "text file not found"),
     (["eval", "{split}", "--reference", "{tmp}/nope.gguf", "--text", "{tmp}/t.txt"], 1, "reference file not found"),
     (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/t.txt", "--vs", "{tmp}/nope.gguf"], 1,
@@ -233,6 +237,8 @@ def test_api_bad_values(tiny_split):
         Generator(tiny_split, tree_nodes="many")
     with pytest.raises(InvalidOptionError, match="act-bits"):
         Generator(tiny_split, act_bits="7")
+    with pytest.raises(InvalidOptionError, match="draft-vocab"):
+        Generator(tiny_split, draft_vocab="-3")
 
 
 # -- soak and leaks -----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 
-from bitsplit_llama.errors import GGUFFormatError, InputError, MismatchError, UnsupportedModelError
+from bitsplit_llama.errors import GGUFFormatError, InputError, InvalidOptionError, MismatchError, UnsupportedModelError
 from bitsplit_llama.formats import _ggml
 from bitsplit_llama.formats.gguf_file import GGUFFile
 from bitsplit_llama.formats.split import make_residual, split_model
@@ -262,6 +262,105 @@ def test_fast_drafter_computes_the_base_products(tiny_split):
     # both round activations to 8 bits per 256 values, ggml to Q8_K and the native kernel its own way
     assert np.abs(fast - stock).max() < 0.1 * np.abs(stock).max()
     assert np.mean(np.argmax(fast, axis=1) == np.argmax(stock, axis=1)) > 0.9
+
+
+def test_draft_vocabulary_computes_the_kept_rows_of_the_head(exact_split):
+    """A draft vocabulary: drafting passes compute the exact output head for token ids [0, rows) and
+    [tail, n_vocab) alone, in this library at any width (one token too, where ggml drafts the rest),
+    and give the others -inf; the kept rows are the whole head's up to activation rounding. Verify
+    passes keep the whole head."""
+    from bitsplit_llama.native import policy
+
+    if policy.draft_kernel() is None:
+        pytest.skip(f"no native drafting family on this CPU under BITSPLIT_MAX_ISA={policy.max_isa()}")
+    toks = TOKENS[:6]
+
+    def passes(sm):
+        out = []
+        with sm.drafting() as ctx:
+            ctx.clear()
+            ctx.decode(toks, list(range(len(toks))))
+            out.append(ctx.logits(len(toks)).copy())
+            c0 = sm.residual.counters().n_draft_products
+            ctx.decode(toks[:1], [len(toks)])  # one token
+            out.append(ctx.logits(1).copy())
+            out.append(sm.residual.counters().n_draft_products - c0)
+        return out
+
+    with SplitModel(exact_split, n_ctx=128, n_batch=64, fast_drafter=True, draft_vocab="all") as sm:
+        assert sm.draft_vocab.rows == 0
+        whole6, whole1, n1 = passes(sm)
+        n_vocab = sm.model.n_vocab
+        with sm.verifying() as ctx:
+            ctx.clear()
+            ctx.decode(toks, list(range(len(toks))))
+            verified = ctx.logits(len(toks)).copy()
+    assert n1 == (1 if policy.draft_min_cols() <= 1 else 0)  # the exact head is ggml's: not counted
+    rows = n_vocab // 4
+    for tail in (n_vocab, n_vocab - 7):
+        with SplitModel(exact_split, n_ctx=128, n_batch=64, fast_drafter=True, draft_vocab=rows) as sm:
+            assert sm.draft_vocab.rows == rows and sm.draft_vocab.active
+            sm.residual.set_draft_vocab(rows, tail)
+            kept6, kept1, k1 = passes(sm)
+            assert k1 == n1 + 1  # the head, at one token too
+            with sm.verifying() as ctx:
+                ctx.clear()
+                ctx.decode(toks, list(range(len(toks))))
+                assert np.array_equal(ctx.logits(len(toks)), verified)  # the verifier's head is whole
+        for kept, whole in ((kept6, whole6), (kept1, whole1)):
+            assert np.all(kept[:, rows:tail] == -np.inf) and np.all(np.isfinite(kept[:, :rows]))
+            assert np.all(np.isfinite(kept[:, tail:]))
+            keep = np.r_[0:rows, tail:n_vocab]
+            # 8-bit activations here and in ggml's Q8_K, each rounded its own way
+            assert np.abs(kept[:, keep] - whole[:, keep]).max() < 0.05 * np.abs(whole).max()
+    with SplitModel(exact_split, n_ctx=128, n_batch=64, fast_drafter=True) as sm:
+        for bad in ((-1, 10), (10, 9)):
+            with pytest.raises(InvalidOptionError, match="draft vocabulary"):
+                sm.residual.set_draft_vocab(*bad)
+    for bad in ("none", 0, -5, "12x"):
+        with pytest.raises(InvalidOptionError, match="--draft-vocab"):
+            SplitModel(exact_split, n_ctx=128, n_batch=64, draft_vocab=bad)
+    # a number needs the native drafter and an exact head; auto then leaves the whole head
+    with pytest.raises(InvalidOptionError, match="--draft-vocab 10: needs the native drafter"):
+        SplitModel(exact_split, n_ctx=128, n_batch=64, fast_drafter=False, draft_vocab=10)
+    with SplitModel(exact_split, n_ctx=128, n_batch=64, fast_drafter=False) as sm:
+        assert sm.draft_vocab.rows == 0
+
+
+def test_draft_vocabulary_watches_the_text(exact_split, tiny_split):
+    """The draft vocabulary steps aside while more than 5% of the last 64 tokens fall outside it (a
+    language whose tokens have high ids), and comes back when they no longer do; auto leaves a small
+    vocabulary and a split (not exact) head whole."""
+    from bitsplit_llama.native import policy
+    from bitsplit_llama.runtime.verifier import DraftVocab
+
+    if policy.draft_kernel() is None:
+        pytest.skip(f"no native drafting family on this CPU under BITSPLIT_MAX_ISA={policy.max_isa()}")
+    with SplitModel(exact_split, n_ctx=128, n_batch=64, fast_drafter=True) as sm:
+        assert sm.draft_vocab.rows == 0  # auto: this vocabulary is far below twice DRAFT_VOCAB
+        n_vocab = sm.model.n_vocab
+    rows = n_vocab // 2
+
+    def head(sm):
+        with sm.drafting() as ctx:
+            ctx.clear()
+            ctx.decode(TOKENS[:1], [0])
+            return ctx.logits(1).copy()
+
+    with SplitModel(exact_split, n_ctx=128, n_batch=64, fast_drafter=True, draft_vocab=rows) as sm:
+        v = sm.draft_vocab
+        assert v.active and np.isinf(head(sm)[0, rows:]).all()
+        v.note([5] * 60 + [rows] * 3)  # 3 of 63 outside: 4.8%
+        assert v.active
+        v.note([rows])  # 4 of 64: 6.25%
+        assert not v.active and np.isfinite(head(sm)).all()
+        v.note([7] * 20)  # the last 64 hold 4 outside until they leave the window
+        assert not v.active
+        v.note([7] * 44)
+        assert v.active and np.isinf(head(sm)[0, rows:]).all()
+        assert DraftVocab.WINDOW == 64 and DraftVocab.MAX_OUTSIDE == 0.05
+    with pytest.raises(InvalidOptionError, match="head split or tied"):
+        SplitModel(tiny_split, n_ctx=128, n_batch=64, fast_drafter=True, draft_vocab=10)
 
 
 def test_stock_drafter_without_a_native_family(tiny_split):

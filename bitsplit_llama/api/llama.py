@@ -61,6 +61,7 @@ def _make_class():
             precision: str = "auto",
             drafter: str = "auto",
             act_bits: str = "auto",
+            draft_vocab: "str | int" = "auto",
             verbose: bool = True,
             rpc: "str | list[str] | None" = None,
             rpc_timeout: float = 60.0,
@@ -74,7 +75,8 @@ def _make_class():
             self.cancel_event: "threading.Event | None" = None
             self._gen = Generator(model_dir, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                   tree_nodes=tree_nodes, precision=precision, verbose=verbose, n_batch=n_batch,
-                                  drafter=drafter, rpc=rpc, rpc_timeout=rpc_timeout, act_bits=act_bits)
+                                  drafter=drafter, rpc=rpc, rpc_timeout=rpc_timeout, act_bits=act_bits,
+                                  draft_vocab=draft_vocab)
             self._stack.callback(self._gen.close)
             sm = self._gen.sm
             self.model_path = str(sm.residual.base_path)

@@ -56,6 +56,21 @@ def check_act_bits(value: str | int) -> str:
     return key
 
 
+def check_draft_vocab(value: str | int) -> str | int:
+    """``value`` as "auto", "all" or a number of token ids >= 1, or one message naming it and what
+    was expected."""
+    key = str(value).strip().lower()
+    if key in ("auto", "all"):
+        return key
+    try:
+        n = int(key)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise InvalidOptionError(f"--draft-vocab: '{value}' unknown (expected auto, all, or a number of token ids >= 1)")
+    return n
+
+
 def _raise(status: int, message: str) -> None:
     raise _STATUS_ERRORS.get(status, NativeError)(message)
 
@@ -125,6 +140,12 @@ class Residual:
     @enabled.setter
     def enabled(self, on: bool) -> None:
         self._lib.bitsplit_ctx_set_enabled(self.ptr, bool(on))
+
+    def set_draft_vocab(self, rows: int, tail: int) -> None:
+        """With the draft kernel on, drafting passes compute the output head for token ids [0, rows) and
+        [tail, n_vocab) alone (the others -inf); rows 0: the whole head."""
+        if self._lib.bitsplit_ctx_set_draft_vocab(self.ptr, int(rows), int(tail)) != 0:
+            raise InvalidOptionError(f"draft vocabulary: {rows} rows with the tail from {tail} (expected 0 <= rows <= tail)")
 
     def set_draft_kernel(self, on: bool) -> None:
         """With the residual off, compute the base's products in the native integer kernel too (CPU

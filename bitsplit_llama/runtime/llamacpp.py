@@ -112,6 +112,16 @@ class Model:
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
         return b"".join(self.token_to_piece(t, special) for t in tokens)
 
+    def special_tail(self) -> int:
+        """The first token id of the vocabulary's tail of tokens that are not normal text (control,
+        user-defined, unused: BPE vocabularies put them last); n_vocab if the last token is normal."""
+        ll = _llama()
+        normal = 1 << 2  # LLAMA_TOKEN_ATTR_NORMAL
+        t = self.n_vocab
+        while t > 0 and not (int(ll.llama_vocab_get_attr(self.vocab, t - 1)) & normal):
+            t -= 1
+        return t
+
     def is_eog(self, token: int) -> bool:
         return bool(_llama().llama_vocab_is_eog(self.vocab, token))
 

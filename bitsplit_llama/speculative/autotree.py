@@ -159,7 +159,7 @@ def setup_of(sm, residual_fingerprint: str | None = None) -> str:
         residual_fingerprint = residual_keys(sm.residual.residual_path, with_fingerprint=True)["residual_fingerprint"]
     return (f"{build_key()[0]}|ngl={sm.n_gpu_layers}|native_drafter={sm.fast_drafter}|residual={residual_fingerprint}"
             + (f"|rpc={len(sm.rpc)}" if sm.rpc else "")
-            + f"|act_bits={sm.residual.act_bits}|isa={policy.max_isa()}|half_rate_512={int(policy.half_rate_512())}|kernel={kernel_pinned_by_env() or ''}")
+            + f"|act_bits={sm.residual.act_bits}|draft_vocab={getattr(getattr(sm, 'draft_vocab', None), 'rows', 0)}|isa={policy.max_isa()}|half_rate_512={int(policy.half_rate_512())}|kernel={kernel_pinned_by_env() or ''}")
 
 
 def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None,

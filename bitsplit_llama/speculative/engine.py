@@ -581,6 +581,9 @@ class Engine:
         t0 = time.perf_counter()
         rng = np.random.default_rng(sp.seed) if not sp.greedy else None
         logits = self.prefill(prompt, stats)
+        vocab = getattr(self.sm, "draft_vocab", None)  # the drafter's vocabulary watches the text
+        if vocab is not None:
+            vocab.note(prompt)
         try:
             if max_tokens == 0:
                 return
@@ -625,6 +628,8 @@ class Engine:
                 self._truncate(self.n_past - (len(emitted) - keep))
                 emitted = emitted[:keep]
                 stats.n_emitted += len(emitted)
+                if vocab is not None:
+                    vocab.note(emitted)
                 yield emitted
                 if is_stop is not None and is_stop(emitted[-1]):
                     return

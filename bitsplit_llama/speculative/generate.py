@@ -48,7 +48,8 @@ class Generator:
                  n_gpu_layers: int | None = None, tree_nodes: int | str = 16, shape: TreeShape | None = None,
                  precision: str = "auto", verbose: bool = False, n_batch: int = 512, kernel: str | None = None,
                  drafter: str = "auto", log=None, rpc=None, rpc_timeout: float = 60.0, overlap: bool = True,
-                 draft_stop: str | float | None = "auto", act_bits: str = "auto"):
+                 draft_stop: str | float | None = "auto", act_bits: str = "auto",
+                 draft_vocab: str | int = "auto"):
         auto = shape is None and tree_nodes == "auto"
         draft_stop = parse_draft_stop(draft_stop)  # a bad value fails before the model loads
         if not auto and shape is None and not isinstance(tree_nodes, int):
@@ -69,7 +70,7 @@ class Generator:
                 room = TreeShape.for_nodes(big)
         self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, room.nodes + 8),
                              n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                             precision=precision, act_bits=act_bits, verbose=verbose,
+                             precision=precision, act_bits=act_bits, draft_vocab=draft_vocab, verbose=verbose,
                              fast_drafter=None if drafter == "auto" else drafter == "native", rpc=rpc,
                              rpc_timeout=rpc_timeout, overlap=overlap)
         self.auto_choice = None

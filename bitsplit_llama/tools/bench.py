@@ -106,7 +106,7 @@ def _worker(cfg: dict) -> None:
                         kernel=cfg.get("kernel"), drafter=cfg.get("drafter", "auto"), rpc=cfg.get("rpc"),
                         rpc_timeout=cfg.get("rpc_timeout", 60.0), overlap=cfg.get("overlap", True),
                         n_gpu_layers=cfg.get("n_gpu_layers"), draft_stop=cfg.get("draft_stop"),
-                        act_bits=cfg.get("act_bits", "auto"))
+                        act_bits=cfg.get("act_bits", "auto"), draft_vocab=cfg.get("draft_vocab", "auto"))
 
         def generate(req):
             sp = SamplingParams(temperature=req["temp"], seed=req["seed"])
@@ -127,6 +127,7 @@ def _worker(cfg: dict) -> None:
             extra = st.to_json() if st else {}
             extra["kernel"] = gen.kernel
             extra["act_bits"] = gen.sm.residual.act_bits  # as "auto" resolved here
+            extra["draft_vocab"] = gen.sm.draft_vocab.rows  # as resolved (0: the whole head)
             # what actually ran: a native family only if it took some drafting product (it takes
             # passes from its family's smallest batch on; narrower ones stay with llama.cpp)
             n_draft = gen.sm.residual.counters().n_draft_products - d0
@@ -252,6 +253,7 @@ class BenchReport:
             "kv_rebuilt_tokens": tot["kv_rebuilt_tokens"],
             "tree_nodes": self.tree_nodes, "tree_shape": last.get("shape"), "kernel": last.get("kernel"),
             "act_bits": last.get("act_bits"), "drafter": last.get("drafter"),
+            "draft_vocab": last.get("draft_vocab"),
             "draft_products": last.get("draft_products", 0),
             "time_split": {"draft": round(tot["draft_seconds"] / gen, 4), "verify": round(tot["verify_seconds"] / gen, 4),
                            "residual": round(tot["residual_seconds"] / gen, 4),
@@ -309,7 +311,8 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
               drafter: str = "auto", with_no_spec: bool = False,
               log: Callable[[str], None] | None = None, rpc: str | None = None, rpc_timeout: float = 60.0,
               overlap: bool = True, n_gpu_layers: int | None = None,
-              draft_stop: str | float | None = "auto", act_bits: str = "auto") -> BenchReport:
+              draft_stop: str | float | None = "auto", act_bits: str = "auto",
+              draft_vocab: str | int = "auto") -> BenchReport:
     """Stock llama.cpp and bitsplit on the same prompts, interleaved per prompt (stock, bitsplit, and
     with ``with_no_spec`` bitsplit's verifier alone in the same worker), same threads."""
     from ..formats.gguf_file import check_readable_file
@@ -335,10 +338,11 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
         rpc_mod.check_timeout(rpc_timeout)
         rpc_mod.require()
     threads = threads or default_threads()
-    from ..native.residual import check_act_bits
+    from ..native.residual import check_act_bits, check_draft_vocab
     from ..speculative.engine import parse_draft_stop
 
     act_bits = check_act_bits(act_bits)
+    draft_vocab = check_draft_vocab(draft_vocab)
 
     draft_stop = parse_draft_stop(draft_stop)  # refused before any worker starts
     prompts = prompts or list(DEFAULT_PROMPTS)
@@ -352,7 +356,7 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, 
         bit = _Side({"side": "bitsplit", "path": str(model_dir), "n_ctx": n_ctx, "threads": threads,
                      "tree_nodes": tree_nodes, "kernel": kernel, "drafter": drafter, "rpc": rpc,
                      "rpc_timeout": rpc_timeout, "overlap": overlap, "n_gpu_layers": n_gpu_layers,
-                     "draft_stop": draft_stop, "act_bits": act_bits})
+                     "draft_stop": draft_stop, "act_bits": act_bits, "draft_vocab": draft_vocab})
         try:
             warm = {"prompt": prompts[0], "n": 8, "temp": temp, "seed": 1}
             stock.run(warm)

@@ -669,6 +669,7 @@ static void test_api_edges(const model * m, const char * work) {
     CHECK(bitsplit_ctx_set_mode(NULL, 0) == BITSPLIT_E_INVALID, "set_mode(NULL)");
     CHECK(bitsplit_ctx_set_act_bits(NULL, 0) == BITSPLIT_E_INVALID && bitsplit_ctx_act_bits(NULL, 14) == -1,
           "act_bits(NULL)");
+    CHECK(bitsplit_ctx_set_draft_vocab(NULL, 0, 0) == BITSPLIT_E_INVALID, "set_draft_vocab(NULL)");
     CHECK(bitsplit_ctx_set_threads(NULL, 1) == BITSPLIT_E_INVALID, "set_threads(NULL)");
     CHECK(bitsplit_ctx_set_kernel(NULL, "generic") == BITSPLIT_E_INVALID, "set_kernel(NULL)");
     CHECK(bitsplit_ctx_set_prompt(NULL, true) == BITSPLIT_E_INVALID && !bitsplit_ctx_get_prompt(NULL), "set_prompt(NULL)");
@@ -1059,6 +1060,10 @@ static void test_valid_load(const model * m, bool quick) {
           bitsplit_ctx_set_act_bits(ctx, BITSPLIT_ACTS_16) == BITSPLIT_OK && bitsplit_ctx_act_bits(ctx, 14) == 16 &&
           bitsplit_ctx_set_act_bits(ctx, BITSPLIT_ACTS_AUTO) == BITSPLIT_OK && bitsplit_ctx_act_bits(ctx, 8) == 16,
           "set_act_bits / act_bits (auto: 16 with a Q8_0 residual)");
+    CHECK(bitsplit_ctx_set_draft_vocab(ctx, -1, 10) == BITSPLIT_E_INVALID &&
+          bitsplit_ctx_set_draft_vocab(ctx, 10, 9) == BITSPLIT_E_INVALID &&
+          bitsplit_ctx_set_draft_vocab(ctx, 10, 10) == BITSPLIT_OK && bitsplit_ctx_set_draft_vocab(ctx, 0, 0) == BITSPLIT_OK,
+          "set_draft_vocab: 0 <= rows <= tail");
     const char * before = bitsplit_ctx_kernel(ctx);
     CHECK(bitsplit_ctx_set_kernel(ctx, "no-such-family") == BITSPLIT_E_UNSUPPORTED, "unknown kernel family");
     CHECK(strcmp(bitsplit_ctx_kernel(ctx), before) == 0, "a refused family leaves the kernel as it was");
