@@ -437,53 +437,40 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     return false;
 }
 
-/* the output head in a drafting pass with a draft vocabulary: its kept rows here (op_mul_mat_head) */
-static bool ask_draft_head(bitsplit_ctx * ctx, struct ggml_tensor * t, const bs_entry * e) {
-    const struct ggml_tensor * x = t->src[1];
-    if (ctx->draft_rows <= 0 || strcmp(e->name, "output.weight") != 0 || x == NULL || !host(t) || !host(x) ||
-        !ctx->replace_ok || e->ne[2] != 1 || e->ne[3] != 1 || !plain_f32_matrix(x) || !plain_f32_matrix(t) ||
-        x->ne[0] != e->ne[0] || t->ne[0] != e->ne[1] || ctx->draft_rows >= e->ne[1]) {
-        return false;
-    }
-    int64_t p, tail;
-    head_span(ctx, e->ne[1], &p, &tail);
-    bs_job job;
-    head_job(&job, ctx, e, e->base_data, NULL, ggml_nrows(x), NULL, 0, p);
-    if (bs_draft_policy(&job) == NULL) {
-        return false; /* no draft family reads this type here: ggml's whole head */
-    }
-    bs_overlap_drain(ctx);
-    if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64)) {
-        return false; /* out of memory: ggml's own kernel will do */
-    }
-    mutate(t, op_mul_mat_head, e);
-    return false;
-}
-
-/* ask == true with the residual off and the fast drafter on: base products of CPU nodes here */
+/* ask == true with the residual off and the fast drafter on: base products of CPU nodes here, and
+ * with a draft vocabulary the exact output head's kept rows (op_mul_mat_head) */
 static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     const bs_entry * e = entry_for(ctx, t);
     const struct ggml_tensor * x = t->src[1];
-    if (e != NULL && e->exact) {
-        return ask_draft_head(ctx, t, e);
-    }
-    if (e == NULL || e->exact || x == NULL || !host(t) || !host(x) || !ctx->replace_ok || e->ne[2] != 1 || e->ne[3] != 1 ||
+    if (e == NULL || x == NULL || !host(t) || !host(x) || !ctx->replace_ok || e->ne[2] != 1 || e->ne[3] != 1 ||
         !plain_f32_matrix(x) || !plain_f32_matrix(t) || x->ne[0] != e->ne[0] || t->ne[0] != e->ne[1]) {
         return false;
     }
     bs_job job;
-    bs_fill_job(&job, e, e->base_data, 0, e->ne[1]);
-    job.r = NULL;
-    job.draft = true;
-    bs_job_columns(&job, ctx, NULL, ggml_nrows(x), NULL);
+    ggml_custom_op_t fn;
+    if (e->exact) {
+        if (ctx->draft_rows <= 0 || ctx->draft_rows >= e->ne[1] || strcmp(e->name, "output.weight") != 0) {
+            return false; /* no draft vocabulary, or not the head: ggml's product */
+        }
+        int64_t p, tail;
+        head_span(ctx, e->ne[1], &p, &tail);
+        head_job(&job, ctx, e, e->base_data, NULL, ggml_nrows(x), NULL, 0, p);
+        fn = op_mul_mat_head;
+    } else {
+        bs_fill_job(&job, e, e->base_data, 0, e->ne[1]);
+        job.r = NULL;
+        job.draft = true;
+        bs_job_columns(&job, ctx, NULL, ggml_nrows(x), NULL);
+        fn = op_mul_mat_base;
+    }
     if (bs_draft_policy(&job) == NULL) {
-        return false; /* ggml's own kernel is as fast or faster here */
+        return false; /* ggml's own kernel is as fast or faster here, or the only one for this type */
     }
     bs_overlap_drain(ctx);
     if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64)) {
         return false; /* out of memory: ggml's own kernel will do */
     }
-    mutate(t, op_mul_mat_base, e);
+    mutate(t, fn, e);
     return false;
 }
 
