@@ -97,14 +97,10 @@ ACT_BITS = typer.Option("auto", "--act-bits", callback=_check_act_bits,
                              "'auto' (8 with a q6_k residual on x86 CPUs without AVX-512, else 16).")
 
 
-def _vocab_arg(value: str) -> str | int:
-    return int(value) if value.isdigit() else value
-
-
-def _check_draft_vocab(value: str) -> str:
+def _check_draft_vocab(value: str) -> str | int:
     from .native.residual import check_draft_vocab
 
-    return str(check_draft_vocab(value))
+    return check_draft_vocab(value)
 
 
 DRAFT_VOCAB = typer.Option("auto", "--draft-vocab", callback=_check_draft_vocab,
@@ -302,7 +298,7 @@ def run(
     results = []
     with Generator(model_dir, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, tree_nodes=nodes,
                    precision=precision, act_bits=act_bits, verbose=verbose, drafter=drafter, log=_say, rpc=rpc,
-                   rpc_timeout=rpc_timeout, draft_stop=draft_stop, draft_vocab=_vocab_arg(draft_vocab)) as gen:
+                   rpc_timeout=rpc_timeout, draft_stop=draft_stop, draft_vocab=draft_vocab) as gen:
         if gen.auto_choice:
             _say(f"tree: {gen.shape.nodes} nodes (width {gen.shape.width}, {gen.shape.rounds} rounds), chosen for this "
                  f"machine: expected {gen.auto_choice['expected_tokens_per_second']} tokens/s")
@@ -460,7 +456,7 @@ def bench(
                     repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
                     drafter=drafter, with_no_spec=with_no_spec, log=None if quiet or as_json else _say, rpc=rpc,
                     rpc_timeout=rpc_timeout, overlap=overlap, n_gpu_layers=n_gpu_layers, draft_stop=draft_stop,
-                    act_bits=act_bits, draft_vocab=_vocab_arg(draft_vocab))
+                    act_bits=act_bits, draft_vocab=draft_vocab)
     s = rep.summary()
     if plot_path is not None:
         plot(rep, plot_path)

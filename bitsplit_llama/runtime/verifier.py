@@ -46,7 +46,6 @@ class DraftVocab:
 
     def __init__(self, sm: "SplitModel", setting: str | int):
         self._res = sm.residual
-        self.setting = setting
         self.rows = self.tail = 0  # rows 0: the whole head, always
         self.active = False
         self._recent: collections.deque[bool] = collections.deque(maxlen=self.WINDOW)
@@ -75,7 +74,7 @@ class DraftVocab:
         """Tokens of the text (a prompt, then what is emitted): on or off by the share outside."""
         if self.rows == 0:
             return
-        for t in list(tokens)[-self.WINDOW:]:
+        for t in tokens[-self.WINDOW:]:
             self._recent.append(self.rows <= t < self.tail)
         on = sum(self._recent) <= self.MAX_OUTSIDE * len(self._recent)
         if on != self.active:
