@@ -701,6 +701,10 @@ def eval_(
     n_gpu_layers: Optional[int] = typer.Option(None, "--n-gpu-layers", "-ngl",
                                                help="Also score the verifier with this many base layers on the GPU "
                                                     "(or the --rpc servers; default there: all)."),
+    kernel: Optional[str] = typer.Option(None, "--kernel", metavar="FAMILY[,...]|all",
+                                         help="Score the verifier once per native kernel family (comma-separated, or "
+                                              "'all' this CPU runs), pinned for all its products, against one "
+                                              "reference pass (default: the kernel policy's choice)."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as one JSON line."),
 ) -> None:
@@ -714,19 +718,20 @@ def eval_(
     say = (lambda s: None) if quiet or as_json else (lambda s: print(s, file=sys.stderr, flush=True))
     rep = evaluate(model_dir, reference, text, vs=vs, n_ctx=n_ctx, max_chunks=chunks, threads=threads,
                    precision=precision, log=say, progress=make_progress(quiet or as_json), rpc=rpc,
-                   rpc_timeout=rpc_timeout, n_gpu_layers=n_gpu_layers, act_bits=act_bits)
+                   rpc_timeout=rpc_timeout, n_gpu_layers=n_gpu_layers, act_bits=act_bits, kernels=kernel)
     if as_json:
         _print_json(rep.to_json())
         return
     from rich.console import Console
+    from rich.markup import escape  # file names are text, not markup ("[x].gguf")
     from rich.table import Table
 
-    t = Table(title=f"{rep.n_tokens} tokens of {Path(rep.text).name} in {rep.n_chunks} chunks of {rep.n_ctx}; "
-                    f"reference {Path(rep.reference).name}")
+    t = Table(title=escape(f"{rep.n_tokens} tokens of {Path(rep.text).name} in {rep.n_chunks} chunks of {rep.n_ctx}; "
+                           f"reference {Path(rep.reference).name}"))
     for col in ("model", "KL mean", "KL mean (pos>0)", "KL p99", "top-1", "PPL", "time"):
         t.add_column(col, justify="right" if col != "model" else "left")
     for m in rep.models:
-        t.add_row(m.name, f"{m.kl_mean:.5f}", f"{m.kl_mean_after_first:.5f}", f"{m.kl_p99:.4f}", f"{100 * m.top1:.2f}%",
+        t.add_row(escape(m.name), f"{m.kl_mean:.5f}", f"{m.kl_mean_after_first:.5f}", f"{m.kl_p99:.4f}", f"{100 * m.top1:.2f}%",
                   f"{m.ppl:.4f}", f"{m.seconds:.0f} s")
     Console().print(t)
 

@@ -194,6 +194,8 @@ OPTION_CASES = [
     (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/t.txt", "--vs", "{tmp}/nope.gguf"], 1,
      "--vs model file not found"),
     (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/t.txt", "--n-ctx", "4"], 2, "--n-ctx: 4"),
+    (["eval", "{split}", "--reference", "{src}", "--text", "{tmp}/t.txt", "--kernel", "generic,avx3"], 2,
+     "--kernel: 'avx3' is not a kernel family that runs on this CPU"),
     (["bench", "{split}", "--vs", "{tmp}/nope.gguf"], 1, "--vs model file not found"),
     (["bench", "{split}", "--vs", "{src}", "-n", "1"], 2, "-n: 1"),
     (["bench", "{split}", "--vs", "{src}", "--prompts", "{tmp}/nope.txt"], 1, "prompts file not found"),

@@ -39,10 +39,11 @@ class ModelScore:
     ppl: float
     seconds: float
     act_bits: int | dict | None = None  # a split verifier's activation bits (as --act-bits resolved here)
+    kernel: str | None = None  # a split verifier's kernel family (what computed its products)
 
     def to_json(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()
-                if v is not None or k != "act_bits"}
+                if v is not None or k not in ("act_bits", "kernel")}
 
 
 @dataclass
@@ -101,14 +102,41 @@ def load_text_tokens(model, text_path: Path) -> list[int]:
     return model.tokenize(text, add_special=False)
 
 
+def check_kernels(value: str | list[str] | None) -> list[str] | None:
+    """``--kernel``: comma-separated kernel families this CPU runs (under ``BITSPLIT_MAX_ISA``), or
+    "all" (every one of them, the policy's order); None: the kernel policy's choice."""
+    if value is None:
+        return None
+    from ..native import policy
+
+    here = policy.families()
+    names = value.split(",") if isinstance(value, str) else list(value)
+    names = [n.strip() for n in names]
+    if names == ["all"]:
+        return here
+    out: list[str] = []
+    for n in names:
+        if n not in here:
+            cap = os.environ.get("BITSPLIT_MAX_ISA")
+            where = f"on this CPU under BITSPLIT_MAX_ISA={cap}" if cap else "on this CPU"
+            raise InvalidOptionError(f"--kernel: '{n}' is not a kernel family that runs {where} (expected 'all' or "
+                                     f"a comma-separated list of: {', '.join(here)})")
+        if n not in out:
+            out.append(n)
+    return out
+
+
 def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str], text: str | os.PathLike[str], *,
              vs: list[str | os.PathLike[str]] = (), n_ctx: int = 512, max_chunks: int | None = None,
              threads: int | None = None, precision: str = "auto", log: Callable[[str], None] | None = None,
              progress=None, rpc: str | None = None, rpc_timeout: float = 60.0,
-             n_gpu_layers: int | None = None, act_bits: str = "auto") -> EvalReport:
+             n_gpu_layers: int | None = None, act_bits: str = "auto",
+             kernels: str | list[str] | None = None) -> EvalReport:
     """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``. With
     ``rpc`` or ``n_gpu_layers``, the verifier whose base is on those RPC servers or on the GPU (add
-    mode) is scored too, after the all-local one."""
+    mode) is scored too, after the all-local one. ``kernels`` (:func:`check_kernels`): score each
+    verifier once per kernel family, pinned for all its products (as ``BITSPLIT_KERNEL`` pins one),
+    against the one reference pass."""
     from ..formats.modeldir import validate_split
     from ..runtime.llamacpp import Context, Model, default_threads
     from ..runtime.verifier import SplitModel
@@ -117,6 +145,7 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
         raise InvalidOptionError(f"--n-ctx: {n_ctx} is too small for evaluation (at least 16)")
     if max_chunks is not None and max_chunks < 1:
         raise InvalidOptionError(f"--chunks: {max_chunks} is not a positive integer")
+    kernels = check_kernels(kernels)
     threads = threads or default_threads()
     base_p, _ = validate_split(model_dir)
     if rpc:
@@ -215,23 +244,32 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
             configs.append((f"bitsplit verifier, base on {where}{ngl}",
                             {"rpc": rpc, "rpc_timeout": rpc_timeout, "n_gpu_layers": n_gpu_layers}))
         for name, kw in configs:
-            if progress:
-                progress.phase(name, n_chunks, 0)
-            consume, finish = scorer(name, str(model_dir))
             sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, precision=precision,
                             act_bits=act_bits, **kw)
             try:
                 if sm.model.n_vocab != n_vocab:
                     raise MismatchError(f"{model_dir}: vocabulary differs from the reference")
-                t0 = time.monotonic()
-                for i, chunk in enumerate(chunks):
-                    sm.ctx.clear()
-                    with sm.verifying() as ctx:
-                        ctx.decode(chunk, positions)
-                        consume(i, ctx.logits(n_ctx))
-                score = finish(time.monotonic() - t0)
-                score.act_bits = sm.residual.act_bits
-                report.models.append(score)
+                ts = sm.residual.tensors()
+                first = ts[0][0] if ts else None  # none: every layer kept whole
+                for fam in kernels or [None]:
+                    label = name if fam is None else f"{name} ({fam})"
+                    if fam is not None:
+                        sm.residual.set_kernel(fam)  # pinned for every pass: the verifier is batch-invariant
+                    if progress:
+                        progress.phase(label, n_chunks, 0)
+                    consume, finish = scorer(label, str(model_dir))
+                    t0 = time.monotonic()
+                    for i, chunk in enumerate(chunks):
+                        sm.ctx.clear()
+                        with sm.verifying() as ctx:
+                            ctx.decode(chunk, positions)
+                            consume(i, ctx.logits(n_ctx))
+                    score = finish(time.monotonic() - t0)
+                    score.act_bits = sm.residual.act_bits
+                    # what computed the products (of the first weight; one family for all with --kernel)
+                    if first is not None:
+                        score.kernel = sm.residual.family_of(first, n_ctx, with_base=not sm.residual_alone)
+                    report.models.append(score)
             finally:
                 sm.close()
 
