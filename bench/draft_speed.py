@@ -4,8 +4,9 @@ batches of 1 to 4 tokens, interleaved in one process; medians and the ratio.
     python bench/draft_speed.py SPLIT_DIR [--repeat 7] [--threads N]
 
 The native library takes a drafting product only where its integer kernel is the faster one
-(``bitsplit_draft_min_cols``: from 2 columns on with vnni-int24, 4 with avx2-int16); below that
-both rows time llama.cpp's kernel.
+(``bitsplit_draft_min_cols``: from 1 column with the 256-bit integer families, 2 with vnni-int24);
+below that both rows time llama.cpp's kernel. The native drafter's passes have the draft vocabulary
+(``--draft-vocab auto``) where the head is exact, llama.cpp's the whole head.
 """
 
 from __future__ import annotations

@@ -440,9 +440,11 @@ const bs_kernel_family * bs_draft_policy(const bs_job * job) {
     const bs_kernel_family * const * order = policy_order(true, half_rate_in_force(cap));
     for (size_t i = 0; i < N_FAMILIES; i++) {
         const bs_kernel_family * f = order[i];
-        if (f->draft_min_cols > 0 && usable(f, cap) &&
-            (job == NULL || ((job->n_cols >= f->draft_min_cols || job->any_cols) && f->supports(job)))) {
-            return f;
+        if (f->draft_min_cols > 0 && usable(f, cap) && (job == NULL || f->supports(job))) {
+            /* the first drafting family that computes this product, from its own smallest batch;
+             * narrower ones stay with ggml rather than fall to a later family, so that the family
+             * named as the drafter (the first: job NULL) is the one that drafts */
+            return job == NULL || job->n_cols >= f->draft_min_cols || job->any_cols ? f : NULL;
         }
     }
     return NULL;

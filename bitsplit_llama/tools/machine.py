@@ -34,9 +34,10 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-PROFILE_VERSION = 5  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
+PROFILE_VERSION = 6  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
 # 4: kernel_by_batch_alone (the policy for R . x alone); 5: R . x timed interleaved with ggml, vs_ggml;
-# ggml_q8_0 (the same weights as Q8_0) interleaved with W2 + R, vs_ggml_q8_0
+# ggml_q8_0 (the same weights as Q8_0) interleaved with W2 + R, vs_ggml_q8_0; 6: native_draft at batch 1
+# (the 256-bit integer families draft from 1 column)
 #: batch sizes measured for every family
 BATCHES = (1, 4, 16, 64)
 #: batch sizes the policy is asked about
@@ -48,7 +49,7 @@ GGML_BATCHES = (1, 16)
 #: batch sizes of ggml on the base (a drafter pass: a chain drafts 1 row, a tree a few per round)
 GGML_BASE_BATCHES = (1, 2, 4, 16)
 #: batch sizes of the native drafter (those it takes: from the draft family's smallest)
-DRAFT_BATCHES = (2, 4, 16)
+DRAFT_BATCHES = (1, 2, 4, 16)
 #: a family pinned with Residual.set_kernel serves passes up to this many columns (BS_DECODE_COLS in
 #: native/bs_internal.h); larger passes are measured on a context loaded with BITSPLIT_KERNEL set
 PIN_MAX_COLS = 32

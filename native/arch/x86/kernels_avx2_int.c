@@ -782,12 +782,15 @@ static bool avx512_vnni_vl(void) { return avx2_fma_f16c() && bs_cpu_avx512_vnni(
 
 const bs_kernel_family bs_family_avx512vnni_int16 = {
     "avx512vnni-int16", BS_ISA_AVX512, avx512_vnni_vl, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
-    /* drafting (8-bit activations, up to 4 columns per decoding) from 2 columns: measured on a
+    /* drafting (8-bit activations, up to 4 columns per decoding) from 1 column. Measured on a
      * 2-core Zen 4 (python bench/draft_speed.py SPLIT --repeat 7, then 9, Qwen2.5-Coder-1.5B's
-     * Q2_K base, against ggml's kernels): native/ggml time 1.07 at 1 column (taken from there on
-     * a trial), 0.83 / 0.72 at 2, 0.70 / 0.71 at 3, 0.72 / 0.62 at 4; vnni-int24, the drafter
-     * there before: 1.16 at 2, 0.98 at 3, 0.93 at 4 */
-    2,
+     * Q2_K base, against ggml's kernels): native/ggml time 1.07 at 1 column, 0.83 / 0.72 at 2,
+     * 0.70 / 0.71 at 3, 0.72 / 0.62 at 4 (vnni-int24, the drafter there before: 1.16 at 2, 0.98
+     * at 3, 0.93 at 4); so from 2 columns, until the Q3_K scales were built in a vector
+     * (q3k_scales.h). Measured again after (same command, the draft vocabulary on in the native
+     * drafter's passes, so its head reads less): the 1-row pass 0.88 / 0.89 of ggml's with the
+     * base's products left to ggml, 0.86 / 0.81 / 0.74 / 0.71 with this family taking them */
+    1,
     /* avxvnni-int16's integers (so avx2-int16's results, bit for bit) with EVEX's 32 registers,
      * which let one decoding of a row serve 4 columns (FUSED_WIDE). Preferred where 512-bit
      * operations run at half rate (Zen 4), to 12 columns there (HR_INT16W_MAX in kernels.c); after
@@ -814,12 +817,13 @@ static bool avx2_vnni256(void) {
 
 const bs_kernel_family bs_family_avxvnni_int16 = {
     "avxvnni-int16", BS_ISA_AVXVNNI, avx2_vnni256, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
-    /* drafting (8-bit activations) from 2 columns: measured on a 2-core Zen 5 under
-     * BITSPLIT_MAX_ISA=avxvnni (python bench/draft_speed.py SPLIT --repeat 9, Qwen2.5-Coder-1.5B's
-     * Q2_K base, against ggml's AVX-512 kernels): native/ggml time 1.10 at 1 column, 0.79 at 2,
-     * 0.82 at 3, 0.75 at 4 (avx2-int16 there: 1.05, 0.74, 0.75, 0.70: the drafter is not bound by
-     * its multiplies) */
-    2,
+    /* drafting (8-bit activations) from 1 column, as avx2-int16 and avx512vnni-int16 (the same
+     * code with vpdpbusd). Measured on a 2-core Zen 5 under BITSPLIT_MAX_ISA=avxvnni (python
+     * bench/draft_speed.py SPLIT --repeat 9, Qwen2.5-Coder-1.5B's Q2_K base, against ggml's AVX-512
+     * kernels), before the Q3_K scales were built in a vector: native/ggml time 1.10 at 1 column,
+     * 0.79 at 2, 0.82 at 3, 0.75 at 4 (avx2-int16 there: 1.05, 0.74, 0.75, 0.70: the drafter is
+     * not bound by its multiplies); not measured on an AVX-VNNI CPU since (avx2-int16's figures) */
+    1,
     /* avx2-int16's integers with fewer instructions for the Q2_K half (2 instead of 6 per 32
      * weights and column); preferred up to 6 columns, as avx2-int16. Measured on a 2-core Zen 5,
      * Qwen2.5-Coder-1.5B q6_k split, W2 + R, both families in one process, interleaved (python
@@ -835,10 +839,14 @@ const bs_kernel_family bs_family_avxvnni_int16 = {
 #else
 const bs_kernel_family bs_family_avx2_int16 = {
     "avx2-int16", BS_ISA_AVX2, avx2_fma_f16c, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
-    /* drafting (8-bit activations) from 4 columns: measured on Qwen2.5-Coder-1.5B's Q2_K base, 2-core
+    /* drafting (8-bit activations) from 1 column. Measured on Qwen2.5-Coder-1.5B's Q2_K base, 2-core
      * Zen 3 (python bench/draft_speed.py SPLIT --repeat 9): native/ggml time 1.26 at 1 column, 1.00
-     * at 2, 1.07 at 3, 0.92 at 4 */
-    4,
+     * at 2, 1.07 at 3, 0.92 at 4, so from 4 columns, before the Q3_K scales were built in a vector
+     * (q3k_scales.h; not measured on a Zen 3 since). Measured after on a 2-core Zen 4 against ggml's
+     * AVX2 kernels (bench/avx2_venv.sh, BITSPLIT_MAX_ISA=avx2, same command, the draft vocabulary
+     * on in the native drafter's passes): the 1-row pass 0.91 of ggml's with the base's products
+     * left to ggml, 0.71-0.75 (three runs) with this family taking them; 2 rows 0.88 and 0.48-0.49 */
+    1,
     /* preferred up to 6 columns: per column it multiplies with vpmaddubsw/vpmaddwd, 8 per 32
      * weights of W2 + R, against avx2-f32's 4 FMAs on the summed weights, but decodes the weights
      * for much less. Measured on a 2-core Zen 3, Qwen2.5-Coder-1.5B q6_k split, W2 + R, both
