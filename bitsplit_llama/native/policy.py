@@ -4,6 +4,8 @@ one computes a product of a given batch, and which one (if any) the fast drafter
 
 from __future__ import annotations
 
+import os
+
 from .build import load
 
 # Every family the library has, on some architecture (x86-64: the first seven and generic; AArch64:
@@ -53,6 +55,12 @@ def max_isa() -> str:
     """The cap in force (``BITSPLIT_MAX_ISA``; unset: amx, i.e. none)."""
     _, lib = load()
     return _s(lib.bitsplit_max_isa())
+
+
+def where_here() -> str:
+    """"on this CPU", with the cap as the library read it where ``BITSPLIT_MAX_ISA`` is set: for
+    messages about a family that does not run here."""
+    return f"on this CPU under BITSPLIT_MAX_ISA={max_isa()}" if os.environ.get("BITSPLIT_MAX_ISA") else "on this CPU"
 
 
 def half_rate_512() -> bool:

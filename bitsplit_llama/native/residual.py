@@ -229,10 +229,7 @@ class Residual:
         if st != 0:
             from . import policy
 
-            # the cap as the library read it (set: its value; unset: none)
-            cap = policy.max_isa() if os.environ.get("BITSPLIT_MAX_ISA") else None
-            where = f"on this CPU under BITSPLIT_MAX_ISA={cap}" if cap else "on this CPU"
-            raise UnsupportedModelError(f"kernel family '{name}' cannot run {where} (it runs: "
+            raise UnsupportedModelError(f"kernel family '{name}' cannot run {policy.where_here()} (it runs: "
                                         f"{', '.join(policy.families())})")
         return self.kernel
 

@@ -117,9 +117,7 @@ def check_kernels(value: str | list[str] | None) -> list[str] | None:
     out: list[str] = []
     for n in names:
         if n not in here:
-            cap = os.environ.get("BITSPLIT_MAX_ISA")
-            where = f"on this CPU under BITSPLIT_MAX_ISA={cap}" if cap else "on this CPU"
-            raise InvalidOptionError(f"--kernel: '{n}' is not a kernel family that runs {where} (expected 'all' or "
+            raise InvalidOptionError(f"--kernel: '{n}' is not a kernel family that runs {policy.where_here()} (expected 'all' or "
                                      f"a comma-separated list of: {', '.join(here)})")
         if n not in out:
             out.append(n)
