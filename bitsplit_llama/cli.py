@@ -576,7 +576,7 @@ def plan(
         bw_now = None
         if measure and ram_bandwidth is None and Path(model).is_dir():  # one figure for every tree size
             from .formats.modeldir import split_paths
-            from .tools.machine import bandwidth_now
+            from .tools.measure import bandwidth_now
 
             split_paths(model)  # not a split: said before seconds of measuring
             bw_now = bandwidth_now()

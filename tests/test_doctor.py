@@ -108,7 +108,8 @@ def test_passes_are_timed_in_turn_the_order_rotating():
     spent."""
     from dataclasses import replace
 
-    from bitsplit_llama.tools.machine import QUICK, interleaved
+    from bitsplit_llama.tools.measure import interleaved
+    from bitsplit_llama.tools.synthetic import QUICK
 
     calls: list[str] = []
     passes = {n: (lambda n=n: calls.append(n)) for n in ("a", "b", "c")}
@@ -282,7 +283,8 @@ def test_cpu_plan_times_the_splits_own_products(capsys, cache, monkeypatch, exac
     scaled from the threads measured to the cores planned."""
     from bitsplit_llama.formats.gguf_file import GGUFFile
     from bitsplit_llama.native.residual import Residual
-    from bitsplit_llama.tools import machine
+    from bitsplit_llama.tools import machine, measure
+    from bitsplit_llama.tools.cpuinfo import threads_or_default
     from bitsplit_llama.tools.plan import E_RAM, make_cpu_plan
 
     prof, _ = doctor(capsys)
@@ -298,7 +300,7 @@ def test_cpu_plan_times_the_splits_own_products(capsys, cache, monkeypatch, exac
         base = sum(t.nbytes for t in b.tensors if t.name != "token_embd.weight")
     with GGUFFile(exact_split / "residual.gguf") as rf:
         res_bytes = sum(t.nbytes for t in rf.tensors if t.name != "token_embd.weight")
-    m1 = machine.measure_split(exact_split, draft_rows=1, verify_rows=5, threads=2, repeat=2, budget_s=0.2)
+    m1 = measure.measure_split(exact_split, draft_rows=1, verify_rows=5, threads=2, repeat=2, budget_s=0.2)
     # one row: the native drafter's where its family drafts from 1 column, ggml's for the rest
     mine = f"native drafter ({policy.draft_kernel()}) on {len(native1)} products, " if native1 else ""
     assert m1["draft_products"] == f"{mine}ggml on {len(res) + len(exact) - len(native1)}"
@@ -307,14 +309,14 @@ def test_cpu_plan_times_the_splits_own_products(capsys, cache, monkeypatch, exac
     assert m1["weights_without"] == sum(n_of[n] for n in exact)
     for k in ("draft_s", "draft_ggml_s", "verify_s", "memory_bandwidth_gb_s"):
         assert positive(m1[k]), (k, m1)
-    m4 = machine.measure_split(exact_split, draft_rows=4, verify_rows=17, threads=2, repeat=2, budget_s=0.2)
+    m4 = measure.measure_split(exact_split, draft_rows=4, verify_rows=17, threads=2, repeat=2, budget_s=0.2)
     assert ("native drafter" in m4["draft_products"]) == bool(native4)
     assert m4["draft_s"] == pytest.approx(m4["draft_native_s"] + m4["draft_ggml_s"], abs=2e-6)
 
     for cores in (2, 4):
         p = make_cpu_plan(str(exact_split), tokens_per_verify=3.0, rounds=4.0, verify_rows=17, cores=cores)
         bs, mp = p["bitsplit"], p["bitsplit"]["measured_products"]
-        assert mp["draft_rows"] == 4 and mp["verify_rows"] == 17 and mp["threads"] == machine._threads(None)
+        assert mp["draft_rows"] == 4 and mp["verify_rows"] == 17 and mp["threads"] == threads_or_default(None)
         # the bandwidth measured with the products (the same moment), not the profile's
         assert p["ram_bandwidth_gb_s"] == round(mp["memory_bandwidth_gb_s"], 1) and "now" in p["ram_bandwidth_source"]
         stream = mp["memory_bandwidth_gb_s"] * 1e9 * E_RAM
@@ -438,7 +440,8 @@ def test_full_profile_outgrows_the_last_level_cache(tmp_path):
     """The synthetic split is at least 4x the last-level cache (summed over its instances), so a
     server's L3 cannot hold it (with the 83 MB default, ggml read a Xeon's at 1.4x its measured RAM
     bandwidth)."""
-    from bitsplit_llama.tools import machine
+    from bitsplit_llama.tools import synthetic
+    from bitsplit_llama.tools.cpuinfo import last_level_cache_bytes
 
     # two sockets, each with a 48 MB L3 over its cores (and per-core L1/L2, not counted)
     for cpu in range(4):
@@ -447,11 +450,11 @@ def test_full_profile_outgrows_the_last_level_cache(tmp_path):
         _cache_entry(tmp_path, cpu, 1, 1, "32K", str(cpu), "Instruction")
         _cache_entry(tmp_path, cpu, 2, 2, "2048K", str(cpu))
         _cache_entry(tmp_path, cpu, 3, 3, "48M", shared)
-    llc = machine.last_level_cache_bytes(tmp_path)
+    llc = last_level_cache_bytes(tmp_path)
     assert llc == 2 * 48 * 2**20
-    size = machine.full_size(llc)
+    size = synthetic.full_size(llc)
     assert size.tensors * size.ne0 * size.ne1 * 210 / 256 >= 4 * llc
     assert (size.tensors - 1) * size.ne0 * size.ne1 * 210 / 256 < 4 * llc
-    assert machine.full_size(0) == machine.FULL  # a desktop, or no sysfs: the default
-    assert machine.full_size(2**40).tensors == machine.FULL_MAX_TENSORS
-    assert machine.last_level_cache_bytes(tmp_path / "missing") == 0
+    assert synthetic.full_size(0) == synthetic.FULL  # a desktop, or no sysfs: the default
+    assert synthetic.full_size(2**40).tensors == synthetic.FULL_MAX_TENSORS
+    assert last_level_cache_bytes(tmp_path / "missing") == 0

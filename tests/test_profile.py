@@ -99,7 +99,7 @@ def test_profile_of_another_base_is_ignored(split, tmp_path, monkeypatch, tiny_s
 
 def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     from bitsplit_llama.cache import cache_dir
-    from bitsplit_llama.tools import machine
+    from bitsplit_llama.tools import machine, measure
 
     # the machine profile of a fresh cache, quick size (not this machine's figures: none are asserted)
     d = tmp_path / "cache"
@@ -137,7 +137,7 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     assert p["tree_nodes"] == 4 and p["bitsplit"]["tokens_per_verify"] == 45.0
     # timed on the split: every tree size against one bandwidth, measured once per plan
     calls = []
-    monkeypatch.setattr(machine, "bandwidth_now", lambda threads=None: calls.append(threads) or 40e9)
+    monkeypatch.setattr(measure, "bandwidth_now", lambda threads=None: calls.append(threads) or 40e9)
     assert main(["plan", str(split), "--gpu", "none", "--json"]) == 0
     p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(calls) == 1 and p["ram_bandwidth_gb_s"] == 40.0 and "now" in p["ram_bandwidth_source"]

@@ -242,7 +242,7 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
     draft_rows = max(1, round((verify_rows - 1) / max(rounds, 1.0)))
     measured = None
     if split and measure:
-        from .machine import measure_split
+        from .measure import measure_split
 
         measured = measure_split(Path(model), draft_rows=draft_rows, verify_rows=verify_rows, bandwidth=bandwidth_now,
                                  log=log)
