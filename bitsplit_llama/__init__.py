@@ -5,15 +5,14 @@ Nothing native is loaded at import time; the heavy parts load on first use.
 
 from __future__ import annotations
 
-from .errors import (BitsplitError, BusyError, ContextLimitError, GGUFFormatError, InputError,
+from ._version import __version__
+from .errors import (BitsplitError, BusyError, ContextLimitError, ContextWindowError, GGUFFormatError, InputError,
                      InvalidOptionError, MismatchError, NativeError, OutputError, UnsupportedModelError)
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "BitsplitError", "BusyError", "ContextLimitError", "GGUFFormatError", "InputError", "InvalidOptionError",
+    "BitsplitError", "BusyError", "ContextLimitError", "ContextWindowError", "GGUFFormatError", "InputError", "InvalidOptionError",
     "MismatchError", "NativeError", "OutputError", "UnsupportedModelError", "split_model", "split_info",
-    "fetch_model", "BitsplitLlama", "__version__",
+    "fetch_model", "BitsplitLlama", "GenerationOptions", "SamplingParams", "__version__",
 ]
 
 
@@ -30,6 +29,14 @@ def __getattr__(name: str):
         from .api.llama import get_class
 
         return get_class()
+    if name == "GenerationOptions":
+        from .speculative.options import GenerationOptions
+
+        return GenerationOptions
+    if name == "SamplingParams":
+        from .speculative.sampling import SamplingParams
+
+        return SamplingParams
     if name == "fetch_model":
         from .tools.fetch import fetch_model
 

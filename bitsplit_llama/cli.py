@@ -8,9 +8,13 @@ the traceback. With ``--json`` the last line on stdout is one JSON object.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import json
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,6 +22,8 @@ import click
 import typer
 
 from .errors import BitsplitError, InvalidOptionError
+from .api import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUE, DEFAULT_WAIT_S
+from .speculative.options import CHAT_TEMPERATURE, GenerationOptions, SamplingParams
 from .tools.plan import DEFAULT_VERIFY_ROWS
 
 app = typer.Typer(
@@ -79,10 +85,6 @@ RPC_TIMEOUT = typer.Option(60.0, "--rpc-timeout", callback=_check_rpc_timeout,
                            help="Seconds an RPC server may take to answer; past that the run ends with an error.")
 NGL = typer.Option(None, "--n-gpu-layers", "-ngl",
                    help="Base layers to offload to the GPU or the --rpc servers (default: 0, or all with --rpc).")
-DRAFT_STOP = typer.Option("auto", "--draft-stop",
-                          help="End a draft before its node budget when the next drafter round holds too little "
-                               "probability: 'off', 'auto' (less than the round costs in tokens, measured as it "
-                               "runs) or a path probability in [0, 1].")
 
 
 def _check_act_bits(value: str) -> str:
@@ -96,18 +98,88 @@ ACT_BITS = typer.Option("auto", "--act-bits", callback=_check_act_bits,
                              "alone where a block has no outlier: faster, about half stock Q8_0's KL measured) or "
                              "'auto' (8 with a q6_k residual on x86 CPUs without AVX-512, else 16).")
 
+# Every knob of GenerationOptions, as the options of run, chat, serve and bench (one declaration;
+# the defaults are GenerationOptions' own): CLI name -> (field, type, typer option)
+_GEN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationOptions)}
+_GEN_PARAMS = {
+    "n_ctx": ("n_ctx", int, typer.Option(_GEN_DEFAULTS["n_ctx"], "--n-ctx", help="Context size in tokens.")),
+    "n_batch": ("n_batch", int, typer.Option(_GEN_DEFAULTS["n_batch"], "--n-batch",
+                                             help="Rows llama.cpp takes in one batch (a prompt's chunk; raised "
+                                                  "to fit the draft tree).")),
+    "threads": ("n_threads", Optional[int], THREADS),
+    "n_gpu_layers": ("n_gpu_layers", Optional[int], NGL),
+    "tree_nodes": ("tree_nodes", str, typer.Option(
+        str(_GEN_DEFAULTS["tree_nodes"]), "--tree-nodes",
+        help="Draft tree size: 'auto' (best for this machine, measured once), or a number of nodes up to 256; "
+             "0 = verifier alone.")),
+    "drafter": ("drafter", str, typer.Option(
+        _GEN_DEFAULTS["drafter"], "--drafter",
+        help="Who computes the drafter's products: 'native' (this library's integer kernels), 'llama.cpp', or "
+             "'auto' (native on CPU-only runs).")),
+    "draft_stop": ("draft_stop", str, typer.Option(
+        str(_GEN_DEFAULTS["draft_stop"]), "--draft-stop",
+        help="End a draft before its node budget when the next drafter round holds too little probability: 'off', "
+             "'auto' (less than the round costs in tokens, measured as it runs) or a path probability in [0, 1].")),
+    "draft_vocab": ("draft_vocab", str, typer.Option(
+        str(_GEN_DEFAULTS["draft_vocab"]), "--draft-vocab",
+        help="The drafter's vocabulary: 'all' (the whole output head), a number N (the native drafter computes the "
+             "head for token ids below N and the control tokens alone; output unchanged) or 'auto' (65536 where "
+             "the head is an exact CPU tensor over twice that, off while over 5% of the last 64 tokens fall "
+             "outside).")),
+    "precision": ("precision", str, typer.Option(_GEN_DEFAULTS["precision"], "--precision",
+                                                 help="Verifier products: auto, bf16 or f32.")),
+    "act_bits": ("act_bits", str, typer.Option(_GEN_DEFAULTS["act_bits"], "--act-bits", help=ACT_BITS.help)),
+    "kernel": ("kernel", Optional[str], typer.Option(
+        _GEN_DEFAULTS["kernel"], "--kernel",
+        help="Native kernel family of every verifier pass (default: the fastest measured by the auto tree, else "
+             "the policy's for the tree's size; 'bitsplit doctor' lists this CPU's).")),
+    "rpc": ("rpc", Optional[str], RPC),
+    "rpc_timeout": ("rpc_timeout", float, RPC_TIMEOUT),
+    "overlap": ("overlap", bool, typer.Option(
+        _GEN_DEFAULTS["overlap"], "--overlap/--no-overlap",
+        help="With the base on a device: compute R . x beside the device's W2 . x (default) or after it.")),
+    "verbose": ("verbose", bool, typer.Option(_GEN_DEFAULTS["verbose"], "--verbose", help="Show llama.cpp's log.")),
+}
 
-def _check_draft_vocab(value: str) -> str | int:
-    from .native.residual import check_draft_vocab
 
-    return check_draft_vocab(value)
+def _sampling_params(temp: float) -> dict:
+    d = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    return {
+        "temp": ("temperature", float, typer.Option(temp, "--temp", help="Temperature (0 = greedy).")),
+        "top_k": ("top_k", int, typer.Option(d["top_k"], "--top-k", help="Sample from the k most likely (0: all).")),
+        "top_p": ("top_p", float, typer.Option(d["top_p"], "--top-p", help="Nucleus sampling: the smallest set "
+                                                                           "holding this probability.")),
+        "min_p": ("min_p", float, typer.Option(d["min_p"], "--min-p", help="Drop tokens below this fraction of "
+                                                                           "the most likely's probability.")),
+        "seed": ("seed", Optional[int], typer.Option(d["seed"], "--seed", help="Random seed for sampling.")),
+    }
 
 
-DRAFT_VOCAB = typer.Option("auto", "--draft-vocab", callback=_check_draft_vocab,
-                           help="The drafter's vocabulary: 'all' (the whole output head), a number N (the native "
-                                "drafter computes the head for token ids below N and the control tokens alone; "
-                                "output unchanged) or 'auto' (65536 where the head is an exact CPU tensor over "
-                                "twice that, off while over 5% of the last 64 tokens fall outside).")
+def _with_options(*, temp: float):
+    """Give a command every GenerationOptions knob and the sampling options (``--temp`` defaulting
+    to ``temp``): it declares ``opts: GenerationOptions`` and ``sampling: SamplingParams`` and
+    receives them built and checked, once, from its command line."""
+    samp = _sampling_params(temp)
+
+    def deco(fn):
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
+               if p.name not in ("opts", "sampling")]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=typ)
+                 for table in (_GEN_PARAMS, samp) for name, (_, typ, opt) in table.items()]
+
+        @functools.wraps(fn)
+        def command(**kw):
+            gen = {field: kw.pop(name) for name, (field, _, _) in _GEN_PARAMS.items()}
+            samp_kw = {field: kw.pop(name) for name, (field, _, _) in samp.items()}
+            return fn(**kw, opts=GenerationOptions(**gen), sampling=SamplingParams(**samp_kw))
+
+        params = own + added
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+    return deco
 
 
 def _print_json(obj: dict) -> None:
@@ -238,23 +310,10 @@ def info(
         raise typer.Exit(1)
 
 
-def _sampling(temp: float, top_k: int, top_p: float, min_p: float, seed: Optional[int]):
-    from .speculative.sampling import SamplingParams
-
-    return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-
-
 def _tree_nodes(value: str) -> int | str:
-    if value == "auto":
-        return "auto"
-    try:
-        n = int(value)
-    except ValueError:
-        raise InvalidOptionError(f"--tree-nodes: '{value}' is neither 'auto' nor a non-negative integer") from None
-    from .speculative.engine import TreeShape
+    from .speculative.options import parse_tree_nodes
 
-    TreeShape.for_nodes(n)  # the one check of the range (negative, more than a verify pass takes)
-    return n
+    return parse_tree_nodes(value)
 
 
 def _say(s: str) -> None:
@@ -262,47 +321,29 @@ def _say(s: str) -> None:
 
 
 @app.command()
+@_with_options(temp=SamplingParams.temperature)
 def run(
     model_dir: Path = typer.Argument(..., help="A split model directory (from 'bitsplit split')."),
     prompt: str = typer.Option(..., "-p", "--prompt", help="The prompt text."),
     n_predict: int = typer.Option(128, "-n", "--n-predict", help="Tokens to generate at most."),
-    temp: float = typer.Option(0.0, "--temp", help="Temperature (0 = greedy)."),
-    top_k: int = typer.Option(40, "--top-k"),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    min_p: float = typer.Option(0.05, "--min-p"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    tree_nodes: str = typer.Option("auto", "--tree-nodes",
-                                   help="Draft tree size: 'auto' (best for this machine, measured once), or a number of nodes up to 256; 0 = verifier alone."),
-    n_ctx: int = typer.Option(4096, "--n-ctx", help="Context size in tokens."),
-    n_gpu_layers: Optional[int] = NGL,
-    rpc: Optional[str] = RPC,
-    rpc_timeout: float = RPC_TIMEOUT,
-    threads: Optional[int] = THREADS,
     no_spec: bool = typer.Option(False, "--no-spec", help="Decode with the verifier alone, one token per step."),
-    precision: str = typer.Option("auto", "--precision", help="Verifier products: auto, bf16 or f32."),
-    act_bits: str = ACT_BITS,
-    drafter: str = typer.Option("auto", "--drafter",
-                                help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
-    draft_stop: str = DRAFT_STOP,
-    draft_vocab: str = DRAFT_VOCAB,
-    verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's log."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, tokens, statistics)."),
+    opts: GenerationOptions = None,
+    sampling: SamplingParams = None,
 ) -> None:
     """Generate from a split model: the base drafts a tree, base + residual verifies it."""
     from .speculative.generate import Generator
 
-    sp = _sampling(temp, top_k, top_p, min_p, seed)
-    nodes = 0 if no_spec else _tree_nodes(tree_nodes)
     if n_predict < 0:
         raise InvalidOptionError(f"-n: {n_predict} is negative")
+    if no_spec:
+        opts = opts.replace(tree_nodes=0)
     results = []
-    with Generator(model_dir, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, tree_nodes=nodes,
-                   precision=precision, act_bits=act_bits, verbose=verbose, drafter=drafter, log=_say, rpc=rpc,
-                   rpc_timeout=rpc_timeout, draft_stop=draft_stop, draft_vocab=draft_vocab) as gen:
+    with Generator(model_dir, opts, log=_say) as gen:
         if gen.auto_choice:
             _say(f"tree: {gen.shape.nodes} nodes (width {gen.shape.width}, {gen.shape.rounds} rounds), chosen for this "
                  f"machine: expected {gen.auto_choice['expected_tokens_per_second']} tokens/s")
-        for piece, _ in gen.stream(prompt, max_tokens=n_predict, sampling=sp, speculative=gen.shape.nodes > 0,
+        for piece, _ in gen.stream(prompt, max_tokens=n_predict, sampling=sampling, speculative=gen.shape.nodes > 0,
                                    on_finish=results.append):
             if not as_json:
                 sys.stdout.write(piece)
@@ -328,22 +369,20 @@ def run(
 
 
 @app.command()
+@_with_options(temp=CHAT_TEMPERATURE)
 def serve(
     model_dir: Path = typer.Argument(..., help="A split model directory."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
-    port: int = typer.Option(8000, "--port"),
+    host: str = typer.Option(DEFAULT_HOST, "--host", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(DEFAULT_PORT, "--port"),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id in the API (default: the directory's name)."),
-    n_ctx: int = typer.Option(4096, "--n-ctx"),
-    tree_nodes: str = typer.Option("auto", "--tree-nodes"),
-    n_gpu_layers: Optional[int] = NGL,
-    rpc: Optional[str] = RPC,
-    rpc_timeout: float = RPC_TIMEOUT,
-    threads: Optional[int] = THREADS,
-    queue: int = typer.Option(8, "--queue", help="Requests that may wait for the model; more get 503."),
-    queue_wait: float = typer.Option(300.0, "--queue-wait", help="Seconds a request may wait; then 503."),
+    queue: int = typer.Option(DEFAULT_QUEUE, "--queue", help="Requests that may wait for the model; more get 503."),
+    queue_wait: float = typer.Option(DEFAULT_WAIT_S, "--queue-wait", help="Seconds a request may wait; then 503."),
+    opts: GenerationOptions = None,
+    sampling: SamplingParams = None,
 ) -> None:
     """Serve a split model over an OpenAI-compatible HTTP API (/v1/models, /v1/completions,
-    /v1/chat/completions, /health). One generation at a time; SIGINT or SIGTERM stop it cleanly."""
+    /v1/chat/completions, /health). One generation at a time; SIGINT or SIGTERM stop it cleanly.
+    The sampling options are the defaults of requests that do not set them."""
     from .formats.modeldir import validate_split
     from .api.server import serve as run_server
 
@@ -355,34 +394,26 @@ def serve(
         raise InvalidOptionError(f"--queue-wait: {queue_wait} must be a positive number of seconds")
     validate_split(model_dir)
     print(f"serving {model_dir} on http://{host}:{port}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
-    run_server(str(model_dir), host=host, port=port, model_name=model_name, n_ctx=n_ctx, queue=queue,
-               wait_s=queue_wait, tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers, n_threads=threads,
-               rpc=rpc, rpc_timeout=rpc_timeout)
+    run_server(str(model_dir), opts, sampling=sampling, host=host, port=port, model_name=model_name, queue=queue,
+               wait_s=queue_wait)
 
 
 @app.command()
+@_with_options(temp=CHAT_TEMPERATURE)
 def chat(
     model_dir: Path = typer.Argument(..., help="A split model directory."),
     system: Optional[str] = typer.Option(None, "--system", help="A system prompt."),
-    temp: float = typer.Option(0.7, "--temp"),
     n_predict: int = typer.Option(512, "-n", "--n-predict", help="Tokens per reply at most."),
-    n_ctx: int = typer.Option(4096, "--n-ctx"),
-    tree_nodes: str = typer.Option("auto", "--tree-nodes"),
-    n_gpu_layers: Optional[int] = NGL,
-    rpc: Optional[str] = RPC,
-    rpc_timeout: float = RPC_TIMEOUT,
-    threads: Optional[int] = THREADS,
-    seed: Optional[int] = typer.Option(None, "--seed"),
+    opts: GenerationOptions = None,
+    sampling: SamplingParams = None,
 ) -> None:
     """Chat in the terminal with the model's own chat template, replies streamed. /reset clears, /exit quits."""
     from .api.llama import get_class
     from .formats.modeldir import validate_split
 
     validate_split(model_dir)
-    _sampling(temp, 40, 0.95, 0.05, seed)  # validates the values
-    llm = get_class()(model_dir, n_ctx=n_ctx, tree_nodes=_tree_nodes(tree_nodes), n_gpu_layers=n_gpu_layers,
-                      n_threads=threads, verbose=False, seed=seed if seed is not None else 0xFFFFFFFF, rpc=rpc,
-                      rpc_timeout=rpc_timeout)
+    seed = sampling.seed
+    llm = get_class()(model_dir, opts, seed=seed if seed is not None else 0xFFFFFFFF)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     print(f"chatting with {model_dir} ({llm.chat_format}); /reset clears the conversation, /exit or Ctrl-D quits",
           file=sys.stderr)
@@ -402,8 +433,9 @@ def chat(
                 continue
             history.append({"role": "user", "content": line})
             reply = []
-            for chunk in llm.create_chat_completion(messages=history, temperature=temp, max_tokens=n_predict,
-                                                    stream=True, seed=seed):
+            for chunk in llm.create_chat_completion(messages=history, temperature=sampling.temperature,
+                                                    top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+                                                    max_tokens=n_predict, stream=True, seed=seed):
                 piece = chunk["choices"][0]["delta"].get("content") or ""
                 reply.append(piece)
                 sys.stdout.write(piece)
@@ -419,44 +451,30 @@ def chat(
 
 
 @app.command()
+@_with_options(temp=SamplingParams.temperature)
 def bench(
     model_dir: Path = typer.Argument(..., help="A split model directory."),
-    vs: Path = typer.Option(..., "--vs", help="The stock GGUF to compare with (e.g. the model's Q8_0)."),
+    vs: Path = typer.Option(..., "--vs", help="The stock GGUF to compare with (e.g. the model's Q8_0; stock llama.cpp "
+                            "stays on this CPU whatever -ngl says)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts, one per line or a JSON list (default: 12 built in)."),
     n_predict: int = typer.Option(128, "-n", "--n-predict"),
-    temp: float = typer.Option(0.0, "--temp"),
-    threads: Optional[int] = THREADS,
     repeat: int = typer.Option(1, "--repeat"),
-    tree_nodes: str = typer.Option("auto", "--tree-nodes"),
-    kernel: Optional[str] = typer.Option(None, "--kernel", help="Native kernel family for decode passes (default: the fastest measured by the auto tree, else by tree size)."),
-    drafter: str = typer.Option("auto", "--drafter",
-                                help="Who computes the drafter's products: 'native' (this library's integer kernel), 'llama.cpp', or 'auto' (native on CPU-only runs)."),
-    n_gpu_layers: Optional[int] = typer.Option(None, "--n-gpu-layers", "-ngl",
-                                               help="Base layers of bitsplit on the GPU or the --rpc servers (stock "
-                                                    "llama.cpp stays on this CPU)."),
-    rpc: Optional[str] = RPC,
-    rpc_timeout: float = RPC_TIMEOUT,
-    overlap: bool = typer.Option(True, "--overlap/--no-overlap",
-                                 help="With --rpc: compute R . x beside the device's W2 . x (default) or after it."),
-    draft_stop: str = DRAFT_STOP,
-    act_bits: str = ACT_BITS,
-    draft_vocab: str = DRAFT_VOCAB,
     with_no_spec: bool = typer.Option(False, "--with-no-spec",
                                       help="Also run bitsplit's verifier alone on every prompt, interleaved in the same run."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG plot of the runs."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON line."),
+    opts: GenerationOptions = None,
+    sampling: SamplingParams = None,
 ) -> None:
     """Stock llama.cpp (--vs) against bitsplit on the same prompts, interleaved: tokens/s, ratio, time split."""
     from .tools.bench import check_plot_path, load_prompts, plot, run_bench
 
     if plot_path is not None:
         check_plot_path(plot_path)
-    rep = run_bench(model_dir, vs, prompts=load_prompts(prompts), n_predict=n_predict, temp=temp, threads=threads,
-                    repeat=repeat, tree_nodes=_tree_nodes(tree_nodes), kernel=kernel,
-                    drafter=drafter, with_no_spec=with_no_spec, log=None if quiet or as_json else _say, rpc=rpc,
-                    rpc_timeout=rpc_timeout, overlap=overlap, n_gpu_layers=n_gpu_layers, draft_stop=draft_stop,
-                    act_bits=act_bits, draft_vocab=draft_vocab)
+    rep = run_bench(model_dir, vs, opts, sampling=sampling, prompts=load_prompts(prompts), n_predict=n_predict,
+                    repeat=repeat, with_no_spec=with_no_spec, log=None if quiet or as_json else _say)
+    temp = sampling.temperature
     s = rep.summary()
     if plot_path is not None:
         plot(rep, plot_path)
@@ -549,7 +567,7 @@ def plan(
     from functools import partial
 
     from .tools.plan import choose_plan, plan_with_profile
-    from .tools.profile import load_profile, load_profile_file, profile_base_type
+    from .formats.profile import load_profile, load_profile_file, profile_base_type
 
     profiles = []
     for f in profile or []:
@@ -778,7 +796,8 @@ def profile_cmd(
     """Measure tokens per verify, verify pass time and drafting against tree size for this split, and write it to
     MODEL_DIR/profile.json, where --tree-nodes auto and `bitsplit plan` read it."""
     from .tools.bench import load_prompts
-    from .tools.profile import measure_profile, parse_nodes, write_profile
+    from .formats.profile import write_profile
+    from .tools.profile import measure_profile, parse_nodes
 
     sizes = parse_nodes(nodes)
     ps = load_prompts(prompts) if prompts else None

@@ -46,3 +46,7 @@ class ContextLimitError(InputError):
 
 class BusyError(BitsplitError, RuntimeError):
     """A model object is already in use by another call (calls on one model are not interleaved)."""
+
+
+class ContextWindowError(ContextLimitError, ValueError):
+    """A prompt longer than the context: a ContextLimitError, and the ValueError llama_cpp.Llama raises."""

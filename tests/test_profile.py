@@ -11,7 +11,8 @@ import pytest
 from bitsplit_llama.cli import main
 from bitsplit_llama.speculative.generate import Generator
 from bitsplit_llama.speculative.sampling import SamplingParams
-from bitsplit_llama.tools.profile import PROFILE_FILE, load_profile, measure_profile, write_profile
+from bitsplit_llama.formats.profile import PROFILE_FILE, load_profile, write_profile
+from bitsplit_llama.tools.profile import measure_profile
 
 PROMPTS = ["the cat of the house is", "what do we do with"]
 

@@ -225,6 +225,19 @@ def test_refused_silent_and_bad_endpoints_are_one_clear_error(tiny_split):
         Generator(tiny_split, n_ctx=128, rpc="127.0.0.1:1", n_gpu_layers=0)
 
 
+def test_bench_against_a_refused_server_says_so(capsys, tiny_split, tiny_f32):
+    """bench loads its bitsplit side in a worker process: the worker's load error reaches the user as
+    that error (it used to read "the bitsplit benchmark worker died: ...RpcError")."""
+    from bitsplit_llama.cli import main
+
+    port = _free_port()
+    assert main(["bench", str(tiny_split), "--vs", str(tiny_f32), "--rpc", f"127.0.0.1:{port}", "-n", "4", "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"127.0.0.1:{port}: connection refused; start one there with `bitsplit rpc-server "
+                        f"--host 127.0.0.1 --port {port}`") and "worker" not in err, err
+    assert len(err.splitlines()) == 1
+
+
 _CHILD = textwrap.dedent("""
     import faulthandler, signal, sys
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung child's stacks (_wait_or_dump)

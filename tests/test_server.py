@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -179,6 +180,42 @@ def test_oversized_body_is_413(server):
     r = conn.getresponse()
     assert r.status == 413 and str(MAX_BODY_BYTES) in r.read().decode()
     conn.close()
+
+
+def test_oversized_chunked_body_is_413(server, monkeypatch):
+    """A body sent without a Content-Length (chunked) is refused once it passes the limit; one under
+    the limit is served as with a declared size."""
+    import http.client
+    from urllib.parse import urlparse
+
+    from bitsplit_llama.api import server as srv
+
+    monkeypatch.setattr(srv, "MAX_BODY_BYTES", 4096)
+    u = urlparse(server)
+
+    def post_chunked(pieces: list[bytes]) -> tuple[int, str]:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.putrequest("POST", f"{u.path}/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        try:
+            for p in pieces:
+                conn.send(b"%x\r\n%s\r\n" % (len(p), p))
+            conn.send(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):  # refused before the whole body was sent
+            pass
+        r = conn.getresponse()
+        out = r.status, r.read().decode()
+        conn.close()
+        return out
+
+    body = json.dumps({"model": "tiny", "prompt": "the cat", "max_tokens": 2, "temperature": 0,
+                       "stop": ["x" * 3000]}).encode()
+    status, text = post_chunked([body[:100], body[100:]])
+    assert status == 200, text
+    status, text = post_chunked([body, body])
+    assert status == 413 and "without a Content-Length" in text and "4096" in text, text
 
 
 def test_loading_is_503(tiny_split):

@@ -7,7 +7,7 @@ metadata through llama-cpp-python's Jinja2 chat formatter, chat formats and hand
 and ``detokenize`` (its tokenizer over the same vocabulary).
 
 What is replaced: model and context creation (the base model with the residual's eval callback,
-see :mod:`bitsplit_llama.verifier`) and token generation — ``generate`` runs the speculative engine
+see :mod:`bitsplit_llama.runtime.verifier`) and token generation — ``generate`` runs the speculative engine
 (the base drafts, base + residual verifies) and yields the verifier's tokens one by one, so every
 caller of ``generate`` above it behaves as with a plain Llama, only faster where speculation pays.
 
@@ -23,18 +23,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from ..errors import ContextWindowError, InvalidOptionError
 from ..speculative.engine import Stats
-from ..errors import ContextLimitError, InvalidOptionError
-
-
-class ContextWindowError(ContextLimitError, ValueError):
-    """A prompt longer than the context: a ContextLimitError, and the ValueError llama_cpp.Llama raises."""
-from ..speculative.sampling import SamplingParams
+from ..speculative.options import GenerationOptions, SamplingParams
 
 
 def _make_class():
@@ -46,41 +43,26 @@ def _make_class():
     Llama = llama_cpp.Llama
 
     class BitsplitLlama(Llama):  # noqa: D101 - documented in the module
-        def __init__(
-            self,
-            model_dir: str | os.PathLike[str],
-            *,
-            n_ctx: int = 4096,
-            n_batch: int = 512,
-            n_threads: Optional[int] = None,
-            n_gpu_layers: Optional[int] = None,
-            tree_nodes: int | str = "auto",
-            seed: int = llama_cpp.LLAMA_DEFAULT_SEED,
-            chat_format: Optional[str] = None,
-            chat_handler=None,
-            precision: str = "auto",
-            drafter: str = "auto",
-            act_bits: str = "auto",
-            draft_vocab: "str | int" = "auto",
-            verbose: bool = True,
-            rpc: "str | list[str] | None" = None,
-            rpc_timeout: float = 60.0,
-        ):
+        def __init__(self, model_dir: str | os.PathLike[str], options: Optional[GenerationOptions] = None, *,
+                     seed: int = llama_cpp.LLAMA_DEFAULT_SEED, chat_format: Optional[str] = None, chat_handler=None,
+                     **overrides):
+            """``options`` (a :class:`~bitsplit_llama.GenerationOptions`), or any of its fields as
+            keywords (``n_ctx=2048, tree_nodes=16, act_bits="16"``, ...), which override ``options``'s;
+            an unknown keyword is a TypeError naming it. ``seed``, ``chat_format`` and ``chat_handler``
+            are llama_cpp.Llama's."""
             from ..speculative.generate import Generator
 
-            self.verbose = verbose
+            opts = GenerationOptions.of(options, **overrides)
+            self.verbose = opts.verbose
             self._stack = contextlib.ExitStack()
             self.model_dir = Path(model_dir)
             # set by a server for the generation it runs: when set, generate() stops at the next cycle
-            self.cancel_event: "threading.Event | None" = None
-            self._gen = Generator(model_dir, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                                  tree_nodes=tree_nodes, precision=precision, verbose=verbose, n_batch=n_batch,
-                                  drafter=drafter, rpc=rpc, rpc_timeout=rpc_timeout, act_bits=act_bits,
-                                  draft_vocab=draft_vocab)
+            self.cancel_event: threading.Event | None = None
+            self._gen = Generator(model_dir, opts)
             self._stack.callback(self._gen.close)
             sm = self._gen.sm
             self.model_path = str(sm.residual.base_path)
-            self.tree_nodes = tree_nodes
+            verbose = opts.verbose
 
             # llama-cpp-python's wrappers over *our* model and context: they do not own them
             self._model = _borrow(internals.LlamaModel, model=sm.model.ptr, vocab=sm.model.vocab,
@@ -229,6 +211,11 @@ def _make_class():
 
         def n_ctx(self) -> int:  # noqa: D102
             return self._gen.n_ctx
+
+        @property
+        def options(self) -> GenerationOptions:
+            """The options this model was loaded with (checked and normalised)."""
+            return self._gen.options
 
         @property
         def kernel(self) -> str:

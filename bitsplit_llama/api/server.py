@@ -21,11 +21,11 @@ from typing import Any, AsyncIterator, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUE, DEFAULT_WAIT_S
 from ..errors import BitsplitError, ContextLimitError, InputError
+from ..speculative.options import CHAT_TEMPERATURE, GenerationOptions, SamplingParams
 
 _END = object()  # the end of a stream, from next(it, _END)
-DEFAULT_QUEUE = 8
-DEFAULT_WAIT_S = 300.0
 DISCONNECT_POLL_S = 0.2
 MAX_BODY_BYTES = 8 << 20  # a body declared larger than this is refused (413) before it is read
 
@@ -68,18 +68,19 @@ class Gate:
     def release(self) -> None:
         self.lock.release()
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
 
 
 class Sampling(BaseModel):
+    """A request's sampling fields; one left out takes the server's default (``bitsplit serve
+    --temp/--top-k/--top-p/--min-p/--seed``, else :class:`SamplingParams`' and CHAT_TEMPERATURE)."""
+
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=0)
-    temperature: float = Field(default=0.8, ge=0.0, le=5.0)
-    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
-    top_k: int = Field(default=40, ge=0)
-    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=5.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     seed: Optional[int] = Field(default=None, ge=0)
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False
@@ -108,9 +109,11 @@ def _error(status: int, message: str, typ: str = "invalid_request_error", param:
 
 
 def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: float = DEFAULT_WAIT_S,
-               shutdown: Optional[threading.Event] = None):
+               shutdown: Optional[threading.Event] = None, sampling: Optional[SamplingParams] = None):
     """A FastAPI app serving ``llm`` (a BitsplitLlama, or any llama_cpp.Llama: then a client that
-    goes away does not stop its generation) as ``model_name``. ``llm`` may be None while the model
+    goes away does not stop its generation) as ``model_name``. ``sampling`` holds the defaults of
+    requests that leave a sampling field out (default: temperature CHAT_TEMPERATURE, the rest
+    SamplingParams'). ``llm`` may be None while the model
     loads: set ``app.state.llm`` when it is ready (until then /health says "loading" and requests get
     503). ``shutdown``, when set, stops every generation at its next cycle. The app's
     ``state.gate`` holds the model's lock."""
@@ -161,20 +164,48 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
         return _error(422, f"{loc or 'request'}: {first.get('msg', 'invalid request')}", param=loc or None)
 
     class _BodyLimit:
-        """A body declared larger than MAX_BODY_BYTES gets 413 before it is read. (Plain ASGI: an
-        @app.middleware("http") wrapper hides the client's disconnect from the endpoints.)"""
+        """A body over MAX_BODY_BYTES gets 413: refused from its Content-Length before it is read, or,
+        sent without one (chunked), read here up to the limit and refused as soon as it passes it.
+        (Plain ASGI: an @app.middleware("http") wrapper hides the client's disconnect from the
+        endpoints.)"""
 
         def __init__(self, inner):
             self.inner = inner
 
         async def __call__(self, scope, receive, send):
-            if scope["type"] == "http":
-                size = dict(scope.get("headers") or ()).get(b"content-length")
-                if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+            if scope["type"] != "http":
+                return await self.inner(scope, receive, send)
+            size = dict(scope.get("headers") or ()).get(b"content-length")
+            if size is not None:
+                if not size.isdigit() or int(size) > MAX_BODY_BYTES:
                     msg = f"request body: {size.decode(errors='replace')} bytes; at most {MAX_BODY_BYTES} are accepted"
-                    await _error(413, msg)(scope, receive, send)
+                    return await _error(413, msg)(scope, receive, send)
+                return await self.inner(scope, receive, send)
+            # no declared size: take the body in here, then hand it on whole
+            parts, total = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":  # the client went away before its body ended
                     return
-            await self.inner(scope, receive, send)
+                body = message.get("body", b"")
+                total += len(body)
+                if total > MAX_BODY_BYTES:
+                    msg = f"request body: over {MAX_BODY_BYTES} bytes (sent without a Content-Length); at most " \
+                          f"{MAX_BODY_BYTES} are accepted"
+                    return await _error(413, msg)(scope, receive, send)
+                parts.append(body)
+                if not message.get("more_body", False):
+                    break
+            whole = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+
+            async def replay():
+                nonlocal whole
+                if whole is not None:
+                    message, whole = whole, None
+                    return message
+                return await receive()  # after the body: the disconnect the endpoints watch for
+
+            return await self.inner(scope, replay, send)
 
     app.add_middleware(_BodyLimit)
 
@@ -196,10 +227,16 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "bitsplit"}]}
 
+    defaults = sampling if sampling is not None else SamplingParams(temperature=CHAT_TEMPERATURE)
+
     def sampling_kwargs(req) -> dict:
-        return dict(max_tokens=req.max_tokens if req.max_tokens is not None else 256, temperature=req.temperature,
-                    top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop or [],
-                    stream=req.stream)
+        def given(name: str, default_name: str | None = None):
+            v = getattr(req, name)
+            return v if v is not None else getattr(defaults, default_name or name)
+
+        return dict(max_tokens=req.max_tokens if req.max_tokens is not None else 256, temperature=given("temperature"),
+                    top_p=given("top_p"), top_k=given("top_k"), min_p=given("min_p"), seed=given("seed"),
+                    stop=req.stop or [], stream=req.stream)
 
     def busy(exc: Exception):
         r = _error(503, str(exc), typ="server_busy")
@@ -317,10 +354,11 @@ def create_app(llm, model_name: str, *, queue: int = DEFAULT_QUEUE, wait_s: floa
     return app
 
 
-def serve(model_dir: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: Optional[str] = None,
-          log_level: str = "info", queue: int = DEFAULT_QUEUE, wait_s: float = DEFAULT_WAIT_S,
-          **llama_kwargs) -> None:
-    """Serve the split model until SIGINT or SIGTERM. The model loads while the server already
+def serve(model_dir: str, options: Optional[GenerationOptions] = None, *, sampling: Optional[SamplingParams] = None,
+          host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: Optional[str] = None,
+          log_level: str = "info", queue: int = DEFAULT_QUEUE, wait_s: float = DEFAULT_WAIT_S) -> None:
+    """Serve the split model, loaded with ``options``, until SIGINT or SIGTERM; ``sampling`` holds
+    the defaults of requests (see :func:`create_app`). The model loads while the server already
     answers (/health: "loading", requests 503); a model that fails to load stops the server and
     its error is raised here. On a signal every generation stops at its next cycle, waiting
     requests get 503, and the model is freed once nothing uses it."""
@@ -336,13 +374,14 @@ def serve(model_dir: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
             shutdown.set()
             super().handle_exit(sig, frame)
 
+    options = GenerationOptions.of(options)
     app = create_app(None, model_name or str(model_dir).rstrip("/").split("/")[-1], queue=queue, wait_s=wait_s,
-                     shutdown=shutdown)
+                     shutdown=shutdown, sampling=sampling)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
 
     def load() -> None:  # while the server answers /health with "loading"
         try:
-            llm = get_class()(model_dir, verbose=False, **llama_kwargs)
+            llm = get_class()(model_dir, options)
         except BaseException as exc:  # noqa: BLE001 (re-raised by serve())
             failed.append(exc)
             server.should_exit = True

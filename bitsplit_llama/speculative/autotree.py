@@ -33,6 +33,7 @@ import math
 import os
 import platform
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -133,7 +134,7 @@ def _machine_key(threads: int, setup: str = "") -> str:
                     break
     except OSError:
         pass
-    from .. import __version__
+    from .._version import __version__
 
     key = f"{cpu}|{os.cpu_count()}|{threads}|{__version__}|{PROFILE_VERSION}|{setup}"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -422,3 +423,73 @@ def load_or_measure(engine: Engine, tokenize: Callable[[str], list[int]], is_sto
     except OSError:
         pass
     return prof
+
+
+# The largest tree the rank model's choice may use (the context and its batch are sized for it
+# before the choice is made).
+AUTO_ROOM = TreeShape(24, 4, 10)
+
+
+def split_profile(model_dir) -> dict | None:
+    """The split's own acceptance profile (``bitsplit profile``), or None without one (or with one of
+    another base)."""
+    from ..formats.profile import load_profile
+
+    return load_profile(model_dir)
+
+
+def room_for(split_prof: dict | None) -> TreeShape:
+    """The largest tree an automatic choice may pick: :data:`AUTO_ROOM`, or the split profile's
+    largest measured size where that is larger."""
+    room = AUTO_ROOM
+    if split_prof:
+        big = max(int(r["nodes"]) for r in split_prof["profile"])
+        if big > room.nodes:
+            room = TreeShape.for_nodes(big)
+    return room
+
+
+def choose_for(sm, tokenize: Callable[[str], list[int]], split_prof: dict | None, *, kernel: str | None = None,
+               draft_stop: str | float | None = "auto",
+               log: Callable[[str], None] | None = None) -> tuple[TreeShape, dict, str | None]:
+    """``--tree-nodes auto`` for the loaded split model ``sm`` (a SplitModel sized by
+    :func:`room_for`): the shape, what was chosen and from what (``run --json``'s ``"auto"``), and the
+    kernel family to pin: ``kernel`` where one was asked for, else the family measured fastest here
+    at the shape's verify rows, else None (the policy's choice). Measures this machine once per model
+    and setup (cached); with a split profile its measured acceptance decides, else the rank model."""
+    from ..formats.modeldir import residual_keys
+
+    keys = residual_keys(sm.residual.residual_path, with_fingerprint=True)
+    setup = setup_of(sm, keys["residual_fingerprint"])
+    key = machine_key(sm.ctx.n_threads, setup)
+    prof = None
+    # rows -> the policy's family: the cost curves price the family the run pins
+    prefer: Callable[[int], str | None] | None = None
+    if kernel is None and not kernel_pinned_by_env():
+        from ..native import policy
+
+        prefer = partial(policy.kernel_for_batch, residual_alone=sm.residual_alone)
+    if split_prof is None or split_prof.get("machine_key") != key:
+        prof = load_or_measure(Engine(sm, TreeShape(0, 1, 1)), tokenize, sm.model.is_eog, keys["base_fingerprint"],
+                               sm.ctx.n_threads, log, setup)
+    if split_prof is not None:
+        shape, best_tps, _ = choose_measured(split_prof, key, prof, prefer)
+        choice = {"shape": [shape.nodes, shape.width, shape.rounds], "expected_tokens_per_second": round(best_tps, 3),
+                  "from": "acceptance profile" + (" (its times)" if prof is None else " (this machine's cost curves)")}
+    else:
+        shape, best_tps, table = choose(prof, prefer=prefer, draft_stop=draft_stop)
+        fixed16 = next((r for r in table if (r[0].nodes, r[0].width, r[0].rounds) == (16, 4, 7)), None)
+        choice = {"shape": [shape.nodes, shape.width, shape.rounds], "expected_tokens_per_second": round(best_tps, 3),
+                  "expected_tokens_per_second_fixed16": round(fixed16[3], 3) if fixed16 else None,
+                  "rank_probs": prof.rank_probs, "from": "rank model",
+                  # calibration cycles that priced chains (0: the rank model did)
+                  "chain_paths": len(prof.chains) if priced_from_paths(TreeShape(1, 1, 1), prof) else 0}
+    # plain steps carry two rows; tree passes 1 + nodes: the family measured fastest at that size here
+    if prof is not None and prefer is not None:
+        rows = max(2, shape.nodes + 1)
+        kernel = prof.kernel(rows, prefer=prefer(rows))
+        if kernel not in policy.families():  # a profile of families this run cannot pin: the policy's
+            kernel = None
+        if kernel is not None:
+            choice["kernel"] = kernel
+    return shape, choice, kernel

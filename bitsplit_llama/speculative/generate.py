@@ -11,14 +11,15 @@ from __future__ import annotations
 import codecs
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from .engine import Engine, Stats, TreeShape, kernel_pinned_by_env, n_seq_max_for, parse_draft_stop, reserve_for
 from ..errors import BusyError, InvalidOptionError
-from .sampling import SamplingParams
 from ..runtime.verifier import SplitModel
+from . import autotree
+from .engine import Engine, Stats, TreeShape, n_seq_max_for, reserve_for
+from .options import GenerationOptions
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -37,88 +38,37 @@ class Result:
         return d
 
 
-DRAFTERS = ("auto", "native", "llama.cpp")
 BUSY = "this model is busy with another generation; calls are not interleaved"
 
 
 class Generator:
-    """A split model ready to generate. ``tree_nodes=0`` decodes with the verifier alone."""
+    """A split model ready to generate, as ``options`` say (a :class:`GenerationOptions`, or its
+    fields as keywords, which override ``options``'s). ``shape`` fixes the tree's shape instead of
+    ``tree_nodes``; ``log`` receives the progress of a first ``tree_nodes="auto"`` measurement."""
 
-    def __init__(self, model_dir: str | os.PathLike[str], *, n_ctx: int = 4096, n_threads: int | None = None,
-                 n_gpu_layers: int | None = None, tree_nodes: int | str = 16, shape: TreeShape | None = None,
-                 precision: str = "auto", verbose: bool = False, n_batch: int = 512, kernel: str | None = None,
-                 drafter: str = "auto", log=None, rpc=None, rpc_timeout: float = 60.0, overlap: bool = True,
-                 draft_stop: str | float | None = "auto", act_bits: str = "auto",
-                 draft_vocab: str | int = "auto"):
-        auto = shape is None and tree_nodes == "auto"
-        draft_stop = parse_draft_stop(draft_stop)  # a bad value fails before the model loads
-        if not auto and shape is None and not isinstance(tree_nodes, int):
-            raise InvalidOptionError(f"--tree-nodes: {tree_nodes!r} is neither 'auto' nor a non-negative integer")
-        self.shape = shape or (TreeShape(0, 1, 1) if auto else TreeShape.for_nodes(tree_nodes))
+    def __init__(self, model_dir: str | os.PathLike[str], options: GenerationOptions | None = None, *,
+                 shape: TreeShape | None = None, log: Callable[[str], None] | None = None, **overrides):
+        opts = GenerationOptions.of(options, **overrides)  # every value checked before the model loads
+        self.options = opts
+        auto = shape is None and opts.tree_nodes == "auto"
+        self.shape = shape or (TreeShape(0, 1, 1) if auto else TreeShape.for_nodes(opts.tree_nodes))
         self.shape.validate()
-        if drafter not in DRAFTERS:
-            raise InvalidOptionError(f"--drafter: {drafter!r} is not one of {', '.join(DRAFTERS)}")
-        split_prof = None
-        if auto:
-            from ..tools.profile import load_profile
-
-            split_prof = load_profile(model_dir)  # None without one (or one of another base)
-        room = TreeShape(24, 4, 10) if auto else self.shape  # the largest an automatic choice may use
-        if split_prof:
-            big = max(int(r["nodes"]) for r in split_prof["profile"])
-            if big > room.nodes:
-                room = TreeShape.for_nodes(big)
-        self.sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=max(n_batch, room.nodes + 8),
-                             n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                             precision=precision, act_bits=act_bits, draft_vocab=draft_vocab, verbose=verbose,
-                             fast_drafter=None if drafter == "auto" else drafter == "native", rpc=rpc,
-                             rpc_timeout=rpc_timeout, overlap=overlap)
+        split_prof = autotree.split_profile(model_dir) if auto else None
+        room = autotree.room_for(split_prof) if auto else self.shape  # the largest the choice may use
+        self.sm = SplitModel(model_dir, n_ctx=opts.n_ctx, n_batch=max(opts.n_batch, room.nodes + 8),
+                             n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=opts.n_threads,
+                             n_gpu_layers=opts.n_gpu_layers, precision=opts.precision, act_bits=opts.act_bits,
+                             draft_vocab=opts.draft_vocab, verbose=opts.verbose,
+                             fast_drafter=None if opts.drafter == "auto" else opts.drafter == "native", rpc=opts.rpc,
+                             rpc_timeout=opts.rpc_timeout, overlap=opts.overlap)
         self.auto_choice = None
+        kernel = opts.kernel
         if auto:
-            from ..formats.modeldir import residual_keys
-            from . import autotree
-
-            keys = residual_keys(self.sm.residual.residual_path, with_fingerprint=True)
-            fp = keys["base_fingerprint"]
-            setup = autotree.setup_of(self.sm, keys["residual_fingerprint"])
-            key = autotree.machine_key(self.sm.ctx.n_threads, setup)
-            prof = None
-            prefer = None  # rows -> the policy's family: the cost curves price the family the run pins
-            if kernel is None and not kernel_pinned_by_env():
-                from ..native import policy
-
-                def prefer(rows: int) -> str | None:
-                    return policy.kernel_for_batch(rows, residual_alone=self.sm.residual_alone)
-            if split_prof is None or split_prof.get("machine_key") != key:
-                prof = autotree.load_or_measure(Engine(self.sm, self.shape), self.tokenize, self.sm.model.is_eog, fp,
-                                                self.sm.ctx.n_threads, log, setup)
-            if split_prof is not None:
-                self.shape, best_tps, table = autotree.choose_measured(split_prof, key, prof, prefer)
-                self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
-                                    "expected_tokens_per_second": round(best_tps, 3),
-                                    "from": "acceptance profile" + (" (its times)" if prof is None else
-                                                                    " (this machine's cost curves)")}
-            else:
-                self.shape, best_tps, table = autotree.choose(prof, prefer=prefer, draft_stop=draft_stop)
-                fixed16 = next((r for r in table if (r[0].nodes, r[0].width, r[0].rounds) == (16, 4, 7)), None)
-                self.auto_choice = {"shape": [self.shape.nodes, self.shape.width, self.shape.rounds],
-                                    "expected_tokens_per_second": round(best_tps, 3),
-                                    "expected_tokens_per_second_fixed16": round(fixed16[3], 3) if fixed16 else None,
-                                    "rank_probs": prof.rank_probs, "from": "rank model",
-                                    # calibration cycles that priced chains (0: the rank model did)
-                                    "chain_paths": len(prof.chains) if autotree.priced_from_paths(
-                                        TreeShape(1, 1, 1), prof) else 0}
-        # plain steps carry two rows; tree passes 1 + nodes. With the auto tree's cost curves, the
-        # family measured fastest at that size here (unless one was asked for, or BITSPLIT_KERNEL)
-        rows = max(2, self.shape.nodes + 1)
-        if auto and prof is not None and prefer is not None:
-            kernel = prof.kernel(rows, prefer=prefer(rows))
-            if kernel not in policy.families():  # a profile of families this run cannot pin: the policy's
-                kernel = None
-            if kernel is not None:
-                self.auto_choice["kernel"] = kernel
+            self.shape, self.auto_choice, kernel = autotree.choose_for(
+                self.sm, self.tokenize, split_prof, kernel=kernel, draft_stop=opts.draft_stop, log=log)
+        rows = max(2, self.shape.nodes + 1)  # plain steps carry two rows; tree passes 1 + nodes
         self.kernel = self.sm.residual.choose_decode_kernel(rows, kernel, residual_alone=self.sm.residual_alone)
-        self.engine = Engine(self.sm, self.shape, draft_stop=draft_stop)
+        self.engine = Engine(self.sm, self.shape, draft_stop=opts.draft_stop)
         self.model = self.sm.model
         self._lock = threading.Lock()
         self.last_stats: Stats | None = None

@@ -7,36 +7,9 @@ the generator, so plain and speculative decoding consume the same random stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from ..errors import InvalidOptionError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    seed: int | None = None
-
-    def __post_init__(self):
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidOptionError(f"temperature: {self.temperature} is negative (expected >= 0; 0 = greedy)")
-        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise InvalidOptionError(f"top-k: {self.top_k} is not a non-negative integer (0 = off)")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidOptionError(f"top-p: {self.top_p} is outside (0, 1]")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise InvalidOptionError(f"min-p: {self.min_p} is outside [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
-            raise InvalidOptionError(f"seed: {self.seed} is not a non-negative integer")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
+from .options import SamplingParams  # noqa: F401 (defined with the other options; drawn from here)
 
 
 def top_candidates(scores: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:

@@ -14,6 +14,7 @@ prompts fed one token per batch for the reason given there).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import os
 import statistics
@@ -22,11 +23,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..errors import InputError, InvalidOptionError, NativeError, OutputError
+from ..errors import BitsplitError, InputError, InvalidOptionError, NativeError, OutputError
+
+if TYPE_CHECKING:
+    from ..speculative.options import GenerationOptions, SamplingParams
 
 DEFAULT_PROMPTS = [
     "def quicksort(arr):",
@@ -74,22 +78,49 @@ def _peak_rss() -> int:
 
 
 def _worker(cfg: dict) -> None:
-    """Serve generation requests (JSON lines on stdin) for one side; answers on stdout."""
+    """Serve generation requests (JSON lines on stdin) for one side; answers on stdout. A model that
+    cannot be loaded is answered as ``{"ready": false, "error", "type"}`` (the parent raises it)."""
+    from ..errors import BitsplitError
+
+    try:
+        generate = _load_side(cfg)
+    except BitsplitError as exc:
+        print(json.dumps({"ready": False, "error": str(exc), "type": type(exc).__name__,
+                          "usage": isinstance(exc, InvalidOptionError)}), flush=True)
+        return
+    print(json.dumps({"ready": True, "rss": _peak_rss()}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("quit"):
+            break
+        try:
+            n, t0, t1, extra = generate(req)
+            rate = (n - 1) / (t1 - t0) if n > 1 and t1 > t0 else 0.0
+            out = {"n": n, "seconds": (t1 - t0) if n > 1 else 0.0, "rate": rate, "extra": extra, "rss": _peak_rss()}
+        except Exception as exc:  # reported to the parent, which raises it with context
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(out), flush=True)
+
+
+def _load_side(cfg: dict) -> Callable[[dict], tuple]:
+    """Load one side's model; returns generate(request) -> (tokens, first token time, last token
+    time, statistics)."""
     if cfg.get("parent"):
         from ..formats._quantize_worker import _die_with_parent
 
         _die_with_parent(int(cfg["parent"]))  # no orphan worker if the bench is killed while it loads
-    side = cfg["side"]
-    n_ctx, threads = int(cfg["n_ctx"]), int(cfg["threads"])
-    if side == "stock":
+    if cfg["side"] == "stock":
         from ..runtime.stock import stock_llama
 
+        n_ctx, threads = int(cfg["n_ctx"]), int(cfg["threads"])
         llm = stock_llama(cfg["path"], n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads)
 
         def generate(req):
             t_first = t_last = None
             n = 0
-            for chunk in llm.create_completion(req["prompt"], max_tokens=req["n"], temperature=req["temp"],
+            sp = req["sampling"]
+            for chunk in llm.create_completion(req["prompt"], max_tokens=req["n"], temperature=sp["temperature"],
+                                               top_k=sp["top_k"], top_p=sp["top_p"], min_p=sp["min_p"],
                                                seed=req["seed"], stream=True):
                 now = time.perf_counter()
                 if chunk["choices"][0]["text"] or chunk["choices"][0]["finish_reason"] is None:
@@ -100,16 +131,12 @@ def _worker(cfg: dict) -> None:
             return n, t_first, t_last, {}
     else:
         from ..speculative.generate import Generator
-        from ..speculative.sampling import SamplingParams
+        from ..speculative.options import GenerationOptions, SamplingParams
 
-        gen = Generator(cfg["path"], n_ctx=n_ctx, n_threads=threads, tree_nodes=cfg["tree_nodes"],
-                        kernel=cfg.get("kernel"), drafter=cfg.get("drafter", "auto"), rpc=cfg.get("rpc"),
-                        rpc_timeout=cfg.get("rpc_timeout", 60.0), overlap=cfg.get("overlap", True),
-                        n_gpu_layers=cfg.get("n_gpu_layers"), draft_stop=cfg.get("draft_stop"),
-                        act_bits=cfg.get("act_bits", "auto"), draft_vocab=cfg.get("draft_vocab", "auto"))
+        gen = Generator(cfg["path"], GenerationOptions.from_json(cfg["options"]))
 
         def generate(req):
-            sp = SamplingParams(temperature=req["temp"], seed=req["seed"])
+            sp = SamplingParams(**{**req["sampling"], "seed": req["seed"]})
             t_first = t_last = None
             n = 0
             res = []
@@ -149,19 +176,7 @@ def _worker(cfg: dict) -> None:
                     "wait_ms_per_pass": 1e3 * (c1.seconds_wait - c0.seconds_wait) / passes,
                 }
             return n, t_first, t_last, extra
-
-    print(json.dumps({"ready": True, "rss": _peak_rss()}), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        if req.get("quit"):
-            break
-        try:
-            n, t0, t1, extra = generate(req)
-            rate = (n - 1) / (t1 - t0) if n > 1 and t1 > t0 else 0.0
-            out = {"n": n, "seconds": (t1 - t0) if n > 1 else 0.0, "rate": rate, "extra": extra, "rss": _peak_rss()}
-        except Exception as exc:  # reported to the parent, which raises it with context
-            out = {"error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(out), flush=True)
+    return generate
 
 
 class _Side:
@@ -177,6 +192,11 @@ class _Side:
                                      text=True, env=env)
         first = self._read()
         if not first.get("ready"):
+            self.proc.wait()
+            if "error" in first:  # the model could not be loaded: the error it met, as it met it
+                cls = InvalidOptionError if first.get("usage") else InputError if first.get("type", "").endswith(
+                    ("InputError", "FormatError", "MismatchError", "UnsupportedModelError")) else BitsplitError
+                raise cls(first["error"])
             raise NativeError(f"{self.name} worker did not start: {first}")
 
     def _read(self) -> dict:
@@ -305,66 +325,53 @@ def load_prompts(path: str | os.PathLike[str] | None) -> list[str]:
     return prompts
 
 
-def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], *, prompts: list[str] | None = None,
-              n_predict: int = 128, temp: float = 0.0, threads: int | None = None, repeat: int = 1,
-              tree_nodes: int | str = "auto", n_ctx: int = 2048, kernel: str | None = None,
-              drafter: str = "auto", with_no_spec: bool = False,
-              log: Callable[[str], None] | None = None, rpc: str | None = None, rpc_timeout: float = 60.0,
-              overlap: bool = True, n_gpu_layers: int | None = None,
-              draft_stop: str | float | None = "auto", act_bits: str = "auto",
-              draft_vocab: str | int = "auto") -> BenchReport:
-    """Stock llama.cpp and bitsplit on the same prompts, interleaved per prompt (stock, bitsplit, and
-    with ``with_no_spec`` bitsplit's verifier alone in the same worker), same threads."""
+def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], options: "GenerationOptions | None" = None,
+              *, sampling: "SamplingParams | None" = None, prompts: list[str] | None = None, n_predict: int = 128,
+              repeat: int = 1, with_no_spec: bool = False, log: Callable[[str], None] | None = None,
+              **overrides) -> BenchReport:
+    """Stock llama.cpp and bitsplit (loaded with ``options``, or its fields as keywords) on the same
+    prompts, interleaved per prompt (stock, bitsplit, and with ``with_no_spec`` bitsplit's verifier
+    alone in the same worker), the same threads, context and ``sampling`` (default: greedy)."""
     from ..formats.gguf_file import check_readable_file
     from ..formats.modeldir import validate_split
     from ..runtime.llamacpp import default_threads
+    from ..speculative.options import GenerationOptions, SamplingParams
 
+    opts = GenerationOptions.of(options, **overrides)  # refused before any worker starts
+    sampling = sampling if sampling is not None else SamplingParams()
     validate_split(model_dir)
     check_readable_file(Path(vs), "--vs model")
     if n_predict < 2:
         raise InvalidOptionError(f"-n: {n_predict} is too small to measure a rate (at least 2)")
     if repeat < 1:
         raise InvalidOptionError(f"--repeat: {repeat} is not a positive integer")
-    if temp < 0:
-        raise InvalidOptionError(f"--temp: {temp} is negative")
-    from ..speculative.generate import DRAFTERS
-
-    if drafter not in DRAFTERS:
-        raise InvalidOptionError(f"--drafter: {drafter!r} is not one of {', '.join(DRAFTERS)}")
-    if rpc:
+    if opts.rpc:
         from ..runtime import rpc as rpc_mod
 
-        rpc_mod.parse_endpoints(rpc)
-        rpc_mod.check_timeout(rpc_timeout)
         rpc_mod.require()
-    threads = threads or default_threads()
-    from ..native.residual import check_act_bits, check_draft_vocab
-    from ..speculative.engine import parse_draft_stop
-
-    act_bits = check_act_bits(act_bits)
-    draft_vocab = check_draft_vocab(draft_vocab)
-
-    draft_stop = parse_draft_stop(draft_stop)  # refused before any worker starts
+    threads = opts.n_threads or default_threads()
+    opts = opts.replace(n_threads=threads)
     prompts = prompts or list(DEFAULT_PROMPTS)
     say = log or (lambda s: None)
     t_start = time.monotonic()
-    rep = BenchReport(str(model_dir), str(vs), threads, n_predict, temp, tree_nodes, prompts, rpc=rpc,
-                      overlap=overlap, draft_stop=draft_stop)
+    temp = sampling.temperature
+    rep = BenchReport(str(model_dir), str(vs), threads, n_predict, temp, opts.tree_nodes, prompts, rpc=opts.rpc,
+                      overlap=opts.overlap, draft_stop=opts.draft_stop)
     say(f"starting workers ({threads} threads each): stock {Path(vs).name}, bitsplit {model_dir}")
-    stock = _Side({"side": "stock", "path": str(vs), "n_ctx": n_ctx, "threads": threads})
+    stock = _Side({"side": "stock", "path": str(vs), "n_ctx": opts.n_ctx, "threads": threads})
     try:
-        bit = _Side({"side": "bitsplit", "path": str(model_dir), "n_ctx": n_ctx, "threads": threads,
-                     "tree_nodes": tree_nodes, "kernel": kernel, "drafter": drafter, "rpc": rpc,
-                     "rpc_timeout": rpc_timeout, "overlap": overlap, "n_gpu_layers": n_gpu_layers,
-                     "draft_stop": draft_stop, "act_bits": act_bits, "draft_vocab": draft_vocab})
+        bit = _Side({"side": "bitsplit", "path": str(model_dir), "options": opts.to_json()})
+        samp = dataclasses.asdict(sampling)
         try:
-            warm = {"prompt": prompts[0], "n": 8, "temp": temp, "seed": 1}
+            warm = {"prompt": prompts[0], "n": 8, "sampling": samp, "seed": 1}
             stock.run(warm)
             bit.run(warm)
             rep.bandwidth = memory_bandwidth(threads)
             for r in range(repeat):
                 for i, prompt in enumerate(prompts):
-                    req = {"prompt": prompt, "n": n_predict, "temp": temp, "seed": 1000 * r + i}
+                    # the run's seed, else one per request (the same for both sides)
+                    seed = sampling.seed if sampling.seed is not None else 1000 * r + i
+                    req = {"prompt": prompt, "n": n_predict, "sampling": samp, "seed": seed}
                     a = stock.run(req)
                     b = bit.run(req)
                     rep.vs_rates.append(a["rate"])

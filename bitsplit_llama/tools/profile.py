@@ -10,21 +10,15 @@ base's fingerprint and this machine's key; ``--tree-nodes auto`` then picks amon
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..errors import InputError, InvalidOptionError
+from ..errors import InvalidOptionError
+from ..formats.profile import PROFILE_FORMAT, split_keys
 
-PROFILE_FILE = "profile.json"
-PROFILE_FORMAT = 1
 DEFAULT_NODES = (0, 1, 2, 4, 8, 16, 32, 64)
-
-
-def profile_path(split: str | os.PathLike[str]) -> Path:
-    return Path(split) / PROFILE_FILE
 
 
 def parse_nodes(text: str) -> list[int]:
@@ -39,35 +33,10 @@ def parse_nodes(text: str) -> list[int]:
     return nodes
 
 
-def _split_keys(split: Path, *, with_fingerprint: bool = False) -> dict:
-    """The split's base fingerprint, base type, residual type, whether its base was made with an
-    importance matrix (residual.gguf's metadata) and with ``with_fingerprint`` the residual's own
-    fingerprint, once validated."""
-    from ..formats.modeldir import residual_keys, validate_split
-
-    _, res_p = validate_split(split)
-    return residual_keys(res_p, with_fingerprint=with_fingerprint)
-
-
-def profile_base_type(prof: dict, path: str | os.PathLike[str] | None = None) -> str | None:
-    """The base type a profile was measured with: recorded in it (profiles from this version on),
-    else read from the split it sits in; None where neither says."""
-    if prof.get("base_type"):
-        return str(prof["base_type"])
-    if path is not None:
-        d = Path(path)
-        d = d if d.is_dir() else d.parent
-        try:
-            return _split_keys(d)["base_type"]
-        except (InputError, OSError):  # not a split directory: the type is unknown
-            return None
-    return None
-
-
 def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEFAULT_NODES,
                     prompts: Sequence[str] | None = None, n_tokens: int = 64, temperature: float = 0.0,
                     threads: int | None = None, log: Callable[[str], None] | None = None) -> dict:
-    """Measure the profile (see the module doc); returns the object :func:`write_profile` stores."""
+    """Measure the profile (see the module doc); returns the object :func:`~bitsplit_llama.formats.profile.write_profile` stores."""
     from ..runtime.verifier import SplitModel
     from ..speculative import autotree
     from ..speculative.engine import Engine, Stats, TreeShape, n_seq_max_for, reserve_for
@@ -79,7 +48,7 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
     if not temperature >= 0:
         raise InvalidOptionError(f"--temp: {temperature} is negative")
     prompts = list(prompts) if prompts else list(autotree.CALIBRATION_PROMPTS)
-    keys = _split_keys(split, with_fingerprint=True)
+    keys = split_keys(split, with_fingerprint=True)
     fp = keys["base_fingerprint"]
     shapes = [TreeShape(0, 1, 1) if n == 0 else TreeShape.for_nodes(n) for n in nodes]
     room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes))
@@ -126,62 +95,3 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
             "seconds": round(time.monotonic() - t_start, 1), "profile": rows}
 
 
-def write_profile(split: str | os.PathLike[str], prof: dict) -> Path:
-    from ..errors import OutputError
-
-    path = profile_path(split)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(prof, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:
-        if tmp.exists():
-            tmp.unlink()
-        raise OutputError(f"{path}: cannot write the profile ({e.strerror or e})") from e
-    return path
-
-
-def load_profile(split: str | os.PathLike[str], *, strict: bool = False) -> dict | None:
-    """The split's profile if it has one that belongs to its base, else None (``strict``: an
-    InputError saying why)."""
-    path = profile_path(split)
-    if not path.is_file():
-        if strict:
-            raise InputError(f"{path}: no acceptance profile (make one with 'bitsplit profile {split}')")
-        return None
-    try:
-        prof = json.loads(path.read_text())
-        ok = (prof.get("format") == PROFILE_FORMAT and isinstance(prof.get("profile"), list) and prof["profile"]
-              and all({"nodes", "tokens_per_verify", "ms_per_verify", "ms_drafting_per_cycle",
-                       "draft_passes_per_cycle"} <= set(r) for r in prof["profile"]))
-    except (OSError, ValueError, AttributeError):
-        ok = False
-    if not ok:
-        if strict:
-            raise InputError(f"{path}: not an acceptance profile of this bitsplit (remake it with 'bitsplit profile')")
-        return None
-    keys = _split_keys(Path(split))
-    if prof.get("base_fingerprint") != keys["base_fingerprint"]:
-        if strict:
-            raise InputError(f"{path}: measured on another base.gguf (remake it with 'bitsplit profile')")
-        return None
-    for k in ("base_type", "residual_type"):  # profiles written before they were recorded: the split says
-        prof[k] = prof.get(k) or keys[k]
-    return prof
-
-
-def load_profile_file(path: str | os.PathLike[str]) -> dict:
-    """A profile given by path (a profile.json, or a split directory holding one), for ``plan``."""
-    p = Path(path)
-    if p.is_dir():
-        return load_profile(p, strict=True)
-    if not p.is_file():
-        raise InputError(f"{p}: profile not found")
-    try:
-        prof = json.loads(p.read_text())
-        rows = prof["profile"]
-        for r in rows:
-            float(r["tokens_per_verify"]), int(r["nodes"]), float(r["draft_passes_per_cycle"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise InputError(f"{p}: not an acceptance profile (make one with 'bitsplit profile SPLIT')") from None
-    return prof
