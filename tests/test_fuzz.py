@@ -444,6 +444,7 @@ def test_residual_refuses_what_only_the_native_loader_checks(tiny_split, split_b
 
 # --- the sanitizer run ------------------------------------------------------------------------------------
 
+@pytest.mark.sanitizer
 def test_native_sanitizers():
     """native/tests/run_sanitizers.sh: the native library built with ASan/UBSan/LSan runs its own test
     driver (every kernel family, corrupt and randomly damaged files); zero reports (about 15 minutes on

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# minutes each, not part of the default run: `python -m pytest -m qemu` (and .ci/run) run them
+pytestmark = pytest.mark.qemu
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "native" / "tests"
 
