@@ -21,8 +21,8 @@ class RichProgress:
 
     def __init__(self) -> None:
         from rich.console import Console
-        from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
         self._console = Console(stderr=True)
         self._p = Progress(
@@ -30,7 +30,6 @@ class RichProgress:
             TextColumn("{task.fields[bytes]}"), TimeElapsedColumn(), TimeRemainingColumn(),
             console=self._console, transient=False,
         )
-        self._DownloadColumn = DownloadColumn
         self._task = None
         self._bytes_total = 0
         self._bytes_done = 0
