@@ -217,7 +217,7 @@ def make_cpu_plan(model: str | os.PathLike[str], *, ram_bw: float | None = None,
                   bandwidth_now: float | None = None, log=None) -> dict:
     """The cost model with no GPU: every pass streams its weights from RAM on this CPU (``--gpu
     none``). A split directory gives the real base and residual bytes and, with ``measure``, the
-    products of a drafter and a verify pass timed on its own tensors (:func:`.machine.measure_split`:
+    products of a drafter and a verify pass timed on its own tensors (:func:`.measure.measure_split`:
     their shapes and types, which the machine profile's synthetic tensors do not have), with the RAM
     bandwidth measured beside them (``bandwidth_now``, bytes/s: one measured already, so that every
     tree size of a plan is projected against the same figure)."""
