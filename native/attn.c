@@ -105,15 +105,17 @@ static void transpose_generic(const char * a, size_t a_row, bool f16, int64_t K,
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct attn_kernels {
+    const char * name; /* in messages */
     void (*product)(const bs_attn_args * g, int64_t c0, int64_t c1);
     void (*exp_row)(const float * x, float * y, int64_t n, float max);
     void (*transpose)(const char * a, size_t a_row, bool f16, int64_t K, int64_t M, float * t, int64_t t_row);
 } attn_kernels;
 
 static const attn_kernels * kernels(void) {
-    static const attn_kernels generic = {bs_attn_product_generic, bs_attn_exp_row_generic, transpose_generic};
+    static const attn_kernels generic = {"generic", bs_attn_product_generic, bs_attn_exp_row_generic,
+                                         transpose_generic};
 #if defined(__x86_64__)
-    static const attn_kernels avx2 = {bs_attn_product_avx2, bs_attn_exp_row_avx2, bs_attn_transpose_avx2};
+    static const attn_kernels avx2 = {"avx2", bs_attn_product_avx2, bs_attn_exp_row_avx2, bs_attn_transpose_avx2};
     static const attn_kernels * chosen = NULL;
     if (chosen == NULL) {
         chosen = bs_family_named("avx2-f32") != NULL ? &avx2 : &generic; /* a benign race: one answer */
@@ -127,6 +129,14 @@ static const attn_kernels * kernels(void) {
 /* ---------------------------------------------------------------------------------------------
  * the products
  * ------------------------------------------------------------------------------------------- */
+
+/* n f32 outputs at p NaN: what a thread could not compute (out of memory), never stale values */
+static void nan_fill(char * p, int64_t n) {
+    float * y = (float *)p;
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = NAN;
+    }
+}
 
 bool bs_attn_shape_ok(const struct ggml_tensor * t) {
     const struct ggml_tensor * a = t->src[0];
@@ -163,17 +173,34 @@ void bs_attn_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t t_row = (M + 7) & ~(int64_t)7;
     const int64_t col_blocks = (n + ATTN_COLS - 1) / ATTN_COLS;
     const int64_t items = A2 * A3 * col_blocks; /* (KV slice, column block); a slice's items are neighbours */
-    float * t = NULL;
+    const int64_t it0 = items * ith / nth, it1 = items * (ith + 1) / nth;
+    /* one slice transposed at a time, every slice the same size */
+    bs_scratch * s = &ctx->scratch[ith];
+    float * t = it0 < it1 ? bs_scratch_get(s, (size_t)(K * t_row) * sizeof(float)) : NULL;
+    if (it0 < it1 && t == NULL) {
+        /* this thread's outputs NaN, never the stale values the node held, and an error for the caller */
+        for (int64_t it = it0; it < it1; it++) {
+            const int64_t slice = it / col_blocks, cb = it % col_blocks;
+            const int64_t s2 = slice % A2, s3 = slice / A2;
+            const int64_t c0 = cb * ATTN_COLS, c1 = c0 + ATTN_COLS < n ? c0 + ATTN_COLS : n;
+            for (int64_t i3 = s3 * r3; i3 < (s3 + 1) * r3; i3++) {
+                for (int64_t i2 = s2 * r2; i2 < (s2 + 1) * r2; i2++) {
+                    for (int64_t c = c0; c < c1; c++) {
+                        nan_fill((char *)dst->data + i2 * dst->nb[2] + i3 * dst->nb[3] + c * dst->nb[1], M);
+                    }
+                }
+            }
+        }
+        bs_record_error(ctx, BITSPLIT_E_NOMEM,
+                        "out of memory: attention's product '%s' (%s kernels) could not allocate %zu bytes of scratch",
+                        dst->name, kern->name, s->failed);
+        return;
+    }
     int64_t have = -1; /* the slice transposed in t */
-    for (int64_t it = items * ith / nth; it < items * (ith + 1) / nth; it++) {
+    for (int64_t it = it0; it < it1; it++) {
         const int64_t slice = it / col_blocks, cb = it % col_blocks;
         const int64_t s2 = slice % A2, s3 = slice / A2;
         if (slice != have) {
-            t = bs_scratch_get(&ctx->scratch[ith], (size_t)(K * t_row) * sizeof(float));
-            if (t == NULL) {
-                bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory in attention's product '%s'", dst->name);
-                return;
-            }
             kern->transpose((const char *)a->data + s2 * a->nb[2] + s3 * a->nb[3], a->nb[1], a->type == GGML_TYPE_F16, K,
                             M, t, t_row);
             have = slice;
@@ -246,13 +273,22 @@ void bs_softmax_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) 
     const float m0 = powf(2.0f, -(max_bias) / n_head_log2);
     const float m1 = powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
     const attn_kernels * kern = kernels();
-    float * w = bs_scratch_get(&ctx->scratch[ith], (size_t)(n + 8) * sizeof(float));
-    if (w == NULL) {
-        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory in the softmax '%s'", dst->name);
+    const int64_t total = rows * heads * outer;
+    const int64_t r0 = total * ith / nth, r1 = total * (ith + 1) / nth;
+    bs_scratch * sc = &ctx->scratch[ith];
+    float * w = r0 < r1 ? bs_scratch_get(sc, (size_t)(n + 8) * sizeof(float)) : NULL;
+    if (r0 < r1 && w == NULL) {
+        /* this thread's rows NaN, never the stale values the node held, and an error for the caller */
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t i1 = r % rows, i2 = (r / rows) % heads, i3 = r / (rows * heads);
+            nan_fill((char *)dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3], n);
+        }
+        bs_record_error(ctx, BITSPLIT_E_NOMEM,
+                        "out of memory: the softmax '%s' (%s kernels) could not allocate %zu bytes of scratch",
+                        dst->name, kern->name, sc->failed);
         return;
     }
-    const int64_t total = rows * heads * outer;
-    for (int64_t r = total * ith / nth; r < total * (ith + 1) / nth; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         const int64_t i1 = r % rows, i2 = (r / rows) % heads, i3 = r / (rows * heads);
         const float slope = max_bias > 0.0f ? (i2 < (int64_t)n_head_log2 ? powf(m0, (float)(i2 + 1))
                                                                          : powf(m1, (float)(2 * (i2 - n_head_log2) + 1)))

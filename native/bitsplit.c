@@ -1,20 +1,21 @@
 /*
  * bitsplit: residual tensors in host memory and the llama.cpp eval callback that applies them.
- * See bitsplit.h for the contract. This file holds the small public API: status strings, errors,
- * switches, counters, the direct product and the kernel queries. The rest, by file:
+ * See bitsplit.h for the contract. This file holds the small public API: switches, counters, the
+ * direct product and the kernel queries; it is the top of the library (native/README.md: the units
+ * bottom to top). The rest, by file:
  *
+ * - errors.c: the status strings and the first error of a context (bitsplit_ctx_take_error).
  * - loader.c: maps residual.gguf and base.gguf read-only and validates the residual against the
  *   base (bitsplit_ctx_load/free), the tensor lookup and info.
  * - pool.c: the thread pool, the barrier, the per-thread job runner and the product counters.
  * - hook.c: the eval callback: the custom ops of replace mode (MUL_MAT, GET_ROWS, MUL_MAT_ID, the
- *   fast drafter's base products), their replace/restore, and add mode for observed nodes.
+ *   fast drafter's base products), and add mode for observed nodes; custom_op.c: ggml's private
+ *   custom-op layout, a node turned into this library's op and back.
  * - kernels.c, arch/<arch>/: the kernel families and the policy that picks one per product.
  */
 #define _GNU_SOURCE
 #include "bitsplit.h"
 
-#include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,33 +23,6 @@
 
 #include "bs_internal.h"
 #include "ggml.h"
-
-const char * bitsplit_status_str(int status) {
-    switch (status) {
-        case BITSPLIT_OK: return "ok";
-        case BITSPLIT_E_IO: return "I/O error";
-        case BITSPLIT_E_FORMAT: return "malformed file";
-        case BITSPLIT_E_MISMATCH: return "residual does not match the base";
-        case BITSPLIT_E_UNSUPPORTED: return "unsupported tensor type or shape";
-        case BITSPLIT_E_NOMEM: return "out of memory";
-        case BITSPLIT_E_INVALID: return "invalid argument";
-        case BITSPLIT_E_STATE: return "error during graph evaluation";
-        default: return "unknown status";
-    }
-}
-
-void bs_record_error(bitsplit_ctx * ctx, int status, const char * fmt, ...) {
-    atomic_fetch_add(&ctx->c_err, 1);
-    pthread_mutex_lock(&ctx->err_lock);
-    if (ctx->err_status == BITSPLIT_OK) {
-        ctx->err_status = status;
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(ctx->err_msg, sizeof(ctx->err_msg), fmt, ap);
-        va_end(ap);
-    }
-    pthread_mutex_unlock(&ctx->err_lock);
-}
 
 void bitsplit_ctx_set_enabled(bitsplit_ctx * ctx, bool enabled) {
     if (ctx) atomic_store(&ctx->enabled, enabled);
@@ -220,21 +194,6 @@ void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
     atomic_store(&ctx->c_attn, 0);
     atomic_store(&ctx->c_ns_attn, 0);
     atomic_store(&ctx->c_softmax, 0);
-}
-
-int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size) {
-    if (ctx == NULL) {
-        return BITSPLIT_E_INVALID;
-    }
-    pthread_mutex_lock(&ctx->err_lock);
-    const int st = ctx->err_status;
-    if (buf != NULL && buf_size > 0) {
-        snprintf(buf, buf_size, "%s", st == BITSPLIT_OK ? "" : ctx->err_msg);
-    }
-    ctx->err_status = BITSPLIT_OK;
-    ctx->err_msg[0] = '\0';
-    pthread_mutex_unlock(&ctx->err_lock);
-    return st;
 }
 
 /* the job of bitsplit_ctx_matmul (x, y may be NULL: to ask which family would compute it) */

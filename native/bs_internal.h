@@ -1,5 +1,7 @@
-/* Internal declarations shared by the library's files (bitsplit.c, loader.c, pool.c, hook.c) and the
- * kernels; not part of the API. */
+/* Internal declarations shared by the library's files and the kernels; not part of the API. Each
+ * declaration names the file that defines it; the files call one another in the order of
+ * native/README.md (the units bottom to top: errors.c and util.c at the bottom, bitsplit.c at the
+ * top), never upwards (tests/test_layout.py checks it). */
 #ifndef BS_INTERNAL_H
 #define BS_INTERNAL_H
 
@@ -146,7 +148,9 @@ const bs_kernel_family * bs_family_for(const bitsplit_ctx * ctx, const bs_job * 
 /* the fast drafter's family for a base-only product, or NULL where ggml's kernel is as fast */
 const bs_kernel_family * bs_draft_policy(const bs_job * job);
 const bs_kernel_family * bs_generic_family(void);
+/* scratch.c: s grown to size bytes (64-byte aligned), or NULL with s->failed = size */
 void * bs_scratch_get(bs_scratch * s, size_t size);
+/* util.c: a row of k values of a readable type (bs_type_readable) to f32, by ggml's dequantizer */
 void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k);
 
 /* IQ2_XXS, IQ2_XS and IQ3_S (iq2.c): the grids (a byte per magnitude) and IQ2's 128 sign bytes,
@@ -233,6 +237,7 @@ static inline float bs_iq1m_scale(float d, const uint8_t * b, int g, int h) {
     return d * (float)(2 * ((sc >> (6 * (g % 2) + 3 * h)) & 0x7) + 1);
 }
 
+/* util.c: whether ggml can turn this type into f32 (a known type with a dequantizer); the clock */
 bool bs_type_readable(enum ggml_type type);
 uint64_t bs_now_ns(void);
 
@@ -313,7 +318,7 @@ struct bitsplit_ctx {
 /* loader.c: the residual entry of this name, or NULL */
 const bs_entry * bs_find_entry(const struct bitsplit_ctx * ctx, const char * name);
 
-/* bitsplit.c: count an error and keep the first one's status and message for
+/* errors.c: count an error and keep the first one's status and message for
  * bitsplit_ctx_take_error */
 void bs_record_error(struct bitsplit_ctx * ctx, int status, const char * fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -335,7 +340,7 @@ void bs_fill_job(bs_job * job, const bs_entry * e, const uint8_t * w2, int64_t r
  * rows of K floats and y packed rows of N floats (NULL while only sizing the job), and the
  * precision for its types */
 void bs_job_columns(bs_job * job, const struct bitsplit_ctx * ctx, const float * x, int64_t n_cols, float * y);
-/* hook.c keeps a node's first op_params bytes here while the node is this library's custom op */
+/* custom_op.c keeps a node's first op_params bytes here while the node is this library's custom op */
 #define BS_STASH_BYTES 40
 
 /* attn.c: attention for batch-invariant verification (the KV cache's products, the softmax) */
@@ -361,8 +366,6 @@ void bs_attn_exp_row_generic(const float * x, float * y, int64_t n, float max);
 void bs_attn_product_avx2(const bs_attn_args * g, int64_t c0, int64_t c1);
 void bs_attn_exp_row_avx2(const float * x, float * y, int64_t n, float max);
 void bs_attn_transpose_avx2(const char * a, size_t a_row, bool f16, int64_t K, int64_t M, float * t, int64_t t_row);
-/* AVX-512 F, BW, VL and VNNI (cached; kernels_int.c): vnni-int24 and avx512vnni-int16 need them */
-bool bs_cpu_avx512_vnni(void);
 #endif
 
 /* a whole product on the library's own pool (add mode, bitsplit_ctx_matmul) */
@@ -402,8 +405,14 @@ static inline bool bs_host_tensor(const struct ggml_tensor * t) {
     return t->buffer != NULL && ggml_backend_buffer_is_host(t->buffer) && t->data != NULL;
 }
 
-/* hook.c: whether ggml's private custom-op parameters have the layout this library writes */
+/* custom_op.c: whether ggml's private custom-op parameters have the layout this library writes
+ * (checked once per process) */
 bool bs_custom_layout_ok(void);
+/* node t turned into this library's custom op fn(userdata), its own op and first parameters kept
+ * aside (BS_STASH_BYTES on); whether it is one; its own op given back */
+void bs_custom_mutate(struct ggml_tensor * t, ggml_custom_op_t fn, const void * userdata);
+bool bs_custom_is_ours(const struct ggml_tensor * t);
+void bs_custom_restore(struct ggml_tensor * t);
 
 /* the residual types a split may hold */
 static inline bool bs_residual_type(enum ggml_type t) {

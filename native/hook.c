@@ -2,8 +2,8 @@
  * The eval callback. It is asked (ask=true) about every graph node before it is computed. For a
  * weight product of the base that has a residual and lives in host memory, it turns the node into
  * a ggml custom op whose function computes (W2 + R) . x (ggml then runs it on its own thread pool,
- * with no extra synchronisation); the original op is kept in the node's op_params and restored the
- * next time the node is seen with the callback disabled (llama.cpp reuses graphs). A node in a
+ * with no extra synchronisation); the original op is kept in the node's op_params (custom_op.c) and
+ * restored the next time the node is seen with the callback disabled (llama.cpp reuses graphs). A node in a
  * device buffer is observed instead (ask returns true) and corrected afterwards (add mode). With
  * the residual off and the fast drafter on, base products of CPU nodes become custom ops too. In
  * batch-invariant mode, CPU products with the base's weights that have no residual (the output
@@ -23,21 +23,16 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 
-/* ggml-impl.h's struct ggml_custom_op_params (private to ggml; checked at load, see
- * bs_custom_layout_ok) */
-struct bs_custom_params {
-    ggml_custom_op_t fun;
-    int n_tasks;
-    void * userdata;
-};
-
-#define BS_MAGIC 0x4c505342 /* "BSPL": marks a node this library turned into a custom op */
-#define BS_STASH_MAGIC 8    /* op_params[8]: magic, [9]: original op, bytes 40..63: original params */
-#define BS_STASH_OP 9
-
 /* ---------------------------------------------------------------------------------------------
  * custom ops (replace mode: ggml's CPU threads call these with ith/nth)
  * ------------------------------------------------------------------------------------------- */
+
+/* n outputs NaN: what could not be computed (out of memory), never stale values (as bs_run_job) */
+static void nan_fill(float * y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = NAN;
+    }
+}
 
 static const uint8_t * base_rows(const bs_entry * e, const struct ggml_tensor * w) {
     /* llama.cpp's own copy when it is plain host memory in ggml's layout (mmap of the same file:
@@ -148,12 +143,20 @@ static void op_get_rows(struct ggml_tensor * dst, int ith, int nth, void * userd
     if (!bs_thread_works(ith, &nth)) {
         return;
     }
-    float * tmp = bs_scratch_get(&ctx->scratch[ith], (size_t)K * sizeof(float));
-    if (tmp == NULL) {
-        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory in the embedding lookup of '%s'", e->name);
+    const int64_t i0 = n * ith / nth, i1 = n * (ith + 1) / nth;
+    bs_scratch * s = &ctx->scratch[ith];
+    float * tmp = i0 < i1 ? bs_scratch_get(s, (size_t)K * sizeof(float)) : NULL;
+    if (i0 < i1 && tmp == NULL) {
+        /* this thread's rows NaN, never the stale values the node held, and an error for the caller */
+        for (int64_t i = i0; i < i1; i++) {
+            nan_fill((float *)((char *)dst->data + i * dst->nb[1]), K);
+        }
+        bs_record_error(ctx, BITSPLIT_E_NOMEM,
+                        "out of memory: the embedding lookup of '%s' could not allocate %zu bytes of scratch", e->name,
+                        s->failed);
         return;
     }
-    for (int64_t i = n * ith / nth; i < n * (ith + 1) / nth; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         float * out = (float *)((char *)dst->data + i * dst->nb[1]);
         const int64_t row = id[i];
         if (row < 0 || row >= e->n_rows) {
@@ -230,59 +233,6 @@ static void op_mul_mat_id(struct ggml_tensor * dst, int ith, int nth, void * use
         atomic_fetch_add(&ctx->c_cols, (uint64_t)n_pairs);
         atomic_fetch_add(&ctx->c_ns, bs_now_ns() - t0);
     }
-}
-
-/* ggml keeps struct ggml_custom_op_params private: check our copy against a real custom node */
-static void dummy_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void)dst;
-    (void)ith;
-    (void)nth;
-    (void)userdata;
-}
-
-bool bs_custom_layout_ok(void) {
-    static int cached = -1;
-    if (cached >= 0) {
-        return cached == 1;
-    }
-    struct ggml_init_params ip = {.mem_size = 16 * 1024, .mem_buffer = NULL, .no_alloc = true};
-    struct ggml_context * g = ggml_init(ip);
-    bool ok = false;
-    if (g != NULL) {
-        struct ggml_tensor * a = ggml_new_tensor_1d(g, GGML_TYPE_F32, 4);
-        struct ggml_tensor * args[1] = {a};
-        void * marker = (void *)(uintptr_t)0x5eed5eedu;
-        struct ggml_tensor * t = ggml_custom_4d(g, GGML_TYPE_F32, 4, 1, 1, 1, args, 1, dummy_op, 7, marker);
-        struct bs_custom_params p;
-        memcpy(&p, t->op_params, sizeof(p));
-        ok = t->op == GGML_OP_CUSTOM && p.fun == dummy_op && p.n_tasks == 7 && p.userdata == marker &&
-             t->src[0] == a;
-        ggml_free(g);
-    }
-    cached = ok ? 1 : 0;
-    return ok;
-}
-
-static bool is_ours(const struct ggml_tensor * t) {
-    return t->op == GGML_OP_CUSTOM && t->op_params[BS_STASH_MAGIC] == BS_MAGIC;
-}
-
-static void mutate(struct ggml_tensor * t, ggml_custom_op_t fn, const void * userdata) {
-    char * raw = (char *)t->op_params;
-    memcpy(raw + BS_STASH_BYTES, raw, sizeof(struct bs_custom_params));
-    t->op_params[BS_STASH_OP] = (int32_t)t->op;
-    t->op_params[BS_STASH_MAGIC] = BS_MAGIC;
-    struct bs_custom_params p = {fn, GGML_N_TASKS_MAX, (void *)userdata};
-    memcpy(raw, &p, sizeof(p));
-    t->op = GGML_OP_CUSTOM;
-}
-
-static void restore(struct ggml_tensor * t) {
-    char * raw = (char *)t->op_params;
-    const int32_t op = t->op_params[BS_STASH_OP];
-    memcpy(raw, raw + BS_STASH_BYTES, sizeof(struct bs_custom_params));
-    memset(raw + BS_STASH_MAGIC * 4, 0, GGML_MAX_OP_PARAMS - BS_STASH_MAGIC * 4);
-    t->op = (enum ggml_op)op;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -367,7 +317,7 @@ static void ask_attention(bitsplit_ctx * ctx, struct ggml_tensor * t) {
         }
     }
     bs_overlap_drain(ctx);
-    mutate(t, fn, ctx);
+    bs_custom_mutate(t, fn, ctx);
 }
 
 /* ask == true for a hooked node: decide replace (mutate, return false) or add (return true) */
@@ -391,7 +341,7 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
             return true; /* add mode: observe, correct after the node is computed */
         }
         bs_overlap_drain(ctx);
-        mutate(t, op_get_rows, e);
+        bs_custom_mutate(t, op_get_rows, e);
         return false;
     }
     if (op == GGML_OP_MUL_MAT) {
@@ -406,7 +356,7 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
                 return false;
             }
             bs_overlap_drain(ctx);
-            mutate(t, op_mul_mat, e);
+            bs_custom_mutate(t, op_mul_mat, e);
             return false;
         }
         return true; /* add mode: observe, correct after the node is computed */
@@ -427,7 +377,7 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
                 return false;
             }
             bs_overlap_drain(ctx);
-            mutate(t, op_mul_mat_id, e);
+            bs_custom_mutate(t, op_mul_mat_id, e);
             return false;
         }
         bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "expert weights '%s' outside host memory are not supported yet",
@@ -470,7 +420,7 @@ static bool ask_draft(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     if (!bs_ensure(&ctx->acts, &ctx->acts_size, bs_job_acts_size(ctx, &job) + 64)) {
         return false; /* out of memory: ggml's own kernel will do */
     }
-    mutate(t, fn, e);
+    bs_custom_mutate(t, fn, e);
     return false;
 }
 
@@ -484,6 +434,17 @@ static void count_transfer(bitsplit_ctx * ctx, const struct ggml_tensor * t, siz
     if (t0 != 0) {
         atomic_fetch_add(&ctx->c_ns_xfer, bs_now_ns() - t0);
     }
+}
+
+/* add mode could not correct node t (F32, contiguous) for lack of memory: an error for the caller,
+ * and the node's values NaN where the host can write them, never W2 . x passed off as the verifier's
+ * (a node in a device buffer keeps them: writing there needs the host buffer that was missing) */
+static void add_out_of_memory(bitsplit_ctx * ctx, struct ggml_tensor * t, const bs_entry * e) {
+    if (host(t)) {
+        nan_fill((float *)t->data, ggml_nelements(t));
+    }
+    bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'%s", e->name,
+                    host(t) ? "" : " (the node in a device buffer keeps the base's product)");
 }
 
 /* ask == false for an observed node: add R . x (the node holds W2 . x, possibly on a device) */
@@ -504,7 +465,7 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
         float * rows = bs_scratch_get(&ctx->host_y, (size_t)(n * K) * sizeof(float));
         float * tmp = bs_scratch_get(&ctx->host_d, (size_t)(n * K) * sizeof(float));
         if (ids == NULL || rows == NULL || tmp == NULL) {
-            bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
+            add_out_of_memory(ctx, t, e);
             return true;
         }
         const uint64_t tx = bs_now_ns();
@@ -555,13 +516,13 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
             xs = buf;
         }
         if (xs == NULL || d == NULL) {
-            bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
+            add_out_of_memory(ctx, t, e);
             return true;
         }
         bs_fill_job(&job, e, NULL, 0, N);
         bs_job_columns(&job, ctx, xs, n_cols, d);
         if (bs_run_on_pool(ctx, &job) != BITSPLIT_OK) {
-            bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
+            add_out_of_memory(ctx, t, e);
             return true;
         }
         bs_count_job(ctx, &job, t0, true);
@@ -569,7 +530,7 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     }
     float * ys = host(t) ? t->data : bs_scratch_get(&ctx->host_y, ybytes);
     if (ys == NULL) {
-        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory correcting '%s'", e->name);
+        add_out_of_memory(ctx, t, e);
         return true;
     }
     if (!host(t)) {
@@ -594,10 +555,10 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) 
         return ask ? false : true;
     }
     if (ask) {
-        if (is_ours(t)) {
+        if (bs_custom_is_ours(t)) {
             /* a graph reused from an earlier pass still carries our op: give the node back its own,
              * then decide afresh (the callback may have been switched off since) */
-            restore(t);
+            bs_custom_restore(t);
         }
         if (!atomic_load_explicit(&ctx->enabled, memory_order_relaxed)) {
             if (t->op == GGML_OP_MUL_MAT && atomic_load_explicit(&ctx->draft_fast, memory_order_relaxed)) {
@@ -616,7 +577,7 @@ bool bitsplit_eval_callback(struct ggml_tensor * t, bool ask, void * user_data) 
         return bs_overlap_is_feed(ctx, t);
     }
     /* returning false would abort the graph: always continue */
-    if (atomic_load_explicit(&ctx->enabled, memory_order_relaxed) && !is_ours(t)) {
+    if (atomic_load_explicit(&ctx->enabled, memory_order_relaxed) && !bs_custom_is_ours(t)) {
         atomic_fetch_add_explicit(&ctx->c_stops, 1, memory_order_relaxed);
         if (t->op == GGML_OP_MUL_MAT || t->op == GGML_OP_GET_ROWS || t->op == GGML_OP_MUL_MAT_ID) {
             add_residual(ctx, t);

@@ -9,41 +9,16 @@
  *   BF16  bf16(f32(W2) + f32(R)) times bf16(x); every product is exact in f32 (8-bit mantissas),
  *         sums in f32. No block scales on the activations, so outliers cost nothing to neighbours.
  *
- * This file holds the portable family ("generic") and the dispatcher; the x86 families live in
- * kernels_x86.c and produce the same products (their f32 summation order differs).
+ * This file holds the portable family ("generic") and the dispatcher; the SIMD families live in
+ * native/arch/<arch>/ and produce the same products (their f32 summation order differs).
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "bs_internal.h"
 #include "bitsplit.h"
-
-uint64_t bs_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-bool bs_type_readable(enum ggml_type type) {
-    if (type == GGML_TYPE_F32) {
-        return true;
-    }
-    if ((int)type < 0 || type >= GGML_TYPE_COUNT) {
-        return false;
-    }
-    const struct ggml_type_traits * tr = ggml_get_type_traits(type);
-    return tr != NULL && tr->to_float != NULL && tr->blck_size > 0 && tr->type_size > 0;
-}
-
-void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k) {
-    if (type == GGML_TYPE_F32) {
-        memcpy(out, row, (size_t)k * sizeof(float));
-        return;
-    }
-    ggml_get_type_traits(type)->to_float(row, out, k);
-}
+#include "cpu_feats.h"
 
 /* round-to-nearest-even to bf16, returned as the f32 it represents (NaN kept quiet) */
 static inline float bs_round_bf16(float f) {
@@ -261,26 +236,12 @@ _Static_assert(sizeof(order_small_hr) == sizeof(order_small) && sizeof(order_lar
 
 bool bs_half_rate_512(void) {
 #if defined(__x86_64__)
-    /* the CPUID test once (threads racing here all store the same value) */
-    static int cached = -1;
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v < 0) {
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-        const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
-        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
-        unsigned family = (a >> 8) & 0xfu;
-        if (family == 0xfu) family += (a >> 20) & 0xffu;
-        __builtin_cpu_init();
-        v = amd && family == 0x19u && __builtin_cpu_supports("avx512f");
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-    }
     /* the override is read each time, as BITSPLIT_MAX_ISA is (a bad value: refused at load) */
     const char * env = getenv("BITSPLIT_HALF_RATE_512");
     if (env != NULL && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) {
         return env[0] == '1';
     }
-    return v == 1;
+    return bs_cpu_has(BS_CPU_HALF_RATE_512); /* AMD's Zen 4 (cpu_feats.c) */
 #else
     return false;
 #endif

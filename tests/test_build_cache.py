@@ -5,6 +5,7 @@ and `bitsplit build-native --prune` all of them but the current one."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -100,6 +101,46 @@ def test_a_new_build_prunes_stale_builds(cache, monkeypatch):
     older = _fake_build(cache, "f" * 20, age_days=build.STALE_DAYS + 5)
     n = len(calls)
     assert build.build() == target and len(calls) == n and older.exists()
+
+
+def test_sources_compile_heaviest_first_by_the_last_builds_times(cache, monkeypatch):
+    """The first build orders the sources by their bytes and records each compile's seconds; the next
+    orders them by those seconds (bytes misjudge the kernel templates), and by bytes again where a source
+    has no recorded time (a new file) or the record is unreadable."""
+    src = build.source_dir()
+    names = build.sources(src)
+    by_bytes = build._by_cost(src, names)
+    assert build._compile_times() == {} and build._by_cost(src, names, {}) == by_bytes
+    started = []
+
+    def fake_run(cmd, **kw):
+        if "-c" in cmd:
+            started.append(os.path.relpath(cmd[cmd.index("-c") + 1], src))
+        with open(cmd[cmd.index("-o") + 1], "wb") as f:
+            f.write(b"\0")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(build.subprocess, "run", fake_run)
+    monkeypatch.setattr(build, "_jobs", lambda: 1)  # one compiler: they start in the planned order
+    build.build()
+    assert started == by_bytes
+    times = build._compile_times()
+    assert sorted(times) == sorted(names) and all(t >= 0 for t in times.values())
+    # the light files first if the record says so; a rebuild follows it
+    fake = {n: float(i) for i, n in enumerate(by_bytes)}  # the first by bytes the lightest
+    (cache / build.TIMES).write_text(json.dumps(fake))
+    assert build._by_cost(src, names, build._compile_times()) == list(reversed(by_bytes))
+    started.clear()
+    build.build(force=True)
+    assert started == list(reversed(by_bytes))
+    # a source without a time (a new file), or an unreadable record: bytes
+    del fake[names[0]]
+    assert build._by_cost(src, names, fake) == by_bytes
+    # another checkout's build (other sources) adds its times to the record, without dropping these
+    build._save_compile_times({"elsewhere.c": 3.0})
+    assert build._compile_times()["elsewhere.c"] == 3.0 and set(names) <= set(build._compile_times())
+    (cache / build.TIMES).write_text("{not json")
+    assert build._compile_times() == {}
 
 
 def test_a_failed_compile_names_the_source_and_leaves_nothing(cache, monkeypatch):

@@ -1,7 +1,7 @@
 /*
  * Parity of ONE kernel family with ggml's dequantisation: kernels_avx2.c on x86-64, kernels_neon.c
- * on AArch64 (with -DPARITY_INT16: the integer families, kernels_avx2_int.c / kernels_neon_int.c), linked alone (no libggml: the family files use only ggml.h's types; scratch.c is
- * linked in, and iq2.c's functions are stubbed below: no IQ2 tables here, so the family never
+ * on AArch64 (with -DPARITY_INT16: the integer families, kernels_avx2_int.c / kernels_neon_int.c), linked alone (no libggml: the family files use only ggml.h's types; scratch.c and
+ * the architecture's cpu_feats.c are linked in, and iq2.c's functions are stubbed below: no IQ2 tables here, so the family never
  * takes an IQ2 base, which no parity case holds; tests/test_kernels.py checks those), so the AArch64
  * build is a static binary that runs under qemu-aarch64-static.
  *

@@ -44,6 +44,10 @@
 
 #include "bitsplit.h"
 #include "bs_internal.h" /* bs_threads_for: the pool's sizing of a product */
+#include "cpu_feats.h"
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#endif
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml.h"
@@ -1504,6 +1508,11 @@ static float at_val(uint64_t a, uint64_t b, uint64_t c) { /* a deterministic val
     return (float)((double)(s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
 }
 
+/* the node of attention whose scratch allocation attn_case makes fail (0 KQ, 1 softmax, 2 KQV; -1:
+ * none): test_custom_ops_out_of_memory */
+static int g_attn_fail = -1;
+static void attn_out_of_memory(bitsplit_ctx * ctx, struct ggml_tensor ** nodes, int which);
+
 /* One attention over a cache of n_kv cells where row 0's visible cells j < AT_NV sit at cell_of[j]
  * (in increasing order) and every other cell is junk that row 0 does not see; n rows (the others
  * see random cells). Row 0's output, [AT_HD x AT_NH], goes to out. Returns false if not run. */
@@ -1555,6 +1564,10 @@ static bool attn_case(bitsplit_ctx * ctx, int n_kv, int n, const int * cell_of, 
     ggml_backend_tensor_set(mask, md, 0, ggml_nbytes(mask));
     bool ok = true;
     struct ggml_tensor * nodes[3] = {kq, sm, kqv};
+    if (g_attn_fail >= 0) {
+        attn_out_of_memory(ctx, nodes, g_attn_fail);
+        ok = false; /* no reference to compare with */
+    }
     for (int i = 0; i < 3 && ok; i++) {
         const bool asked = bitsplit_eval_callback(nodes[i], true, ctx);
         ok = !asked && nodes[i]->op == GGML_OP_CUSTOM;
@@ -1666,6 +1679,177 @@ static void test_callback_attention(bitsplit_ctx * ctx) {
         }
         free(t);
     }
+#endif
+}
+
+/* A custom op that cannot allocate its per-thread scratch (attention's products and softmax, the
+ * embedding lookup; the kernel families' own scratch: test_scratch_out_of_memory): an out-of-memory
+ * error naming the node and the scratch, the rows it could not compute NaN (never the stale values
+ * the node held), and the op computed in full once memory is back. Each case on a fresh context, whose
+ * scratch is still empty: the op's own allocation is the first one. */
+static bool load_fresh(const model * m, bitsplit_ctx ** ctx) {
+    char err[512] = "";
+    *ctx = NULL;
+    const bool ok = bitsplit_ctx_load(m->res_path, m->base_path, ctx, err, sizeof(err)) == BITSPLIT_OK;
+    CHECK(ok, "%s: load: %s", m->dir, err);
+    return ok;
+}
+
+/* the error of a failed scratch allocation in node t: out of memory, naming t and the scratch */
+static void check_oom_error(bitsplit_ctx * ctx, const char * node, const char * what) {
+    char err[512] = "";
+    const int st = bitsplit_ctx_take_error(ctx, err, sizeof(err));
+    CHECK(st == BITSPLIT_E_NOMEM && strstr(err, node) != NULL && strstr(err, "scratch") != NULL,
+          "%s: a failed scratch allocation gave status %d '%s' (out of memory naming '%s' and the scratch wanted)",
+          what, st, err, node);
+}
+
+/* how many of t's n f32 values are NaN, and how many still hold the stale 12345 */
+static void count_nan_stale(const struct ggml_tensor * t, size_t * nans, size_t * stale) {
+    const float * y = t->data;
+    const size_t n = (size_t)ggml_nelements(t);
+    *nans = *stale = 0;
+    for (size_t i = 0; i < n; i++) {
+        *nans += isnan(y[i]);
+        *stale += y[i] == 12345.0f;
+    }
+}
+
+static void fill_stale(struct ggml_tensor * t) {
+    float * y = t->data;
+    for (int64_t i = 0; i < ggml_nelements(t); i++) y[i] = 12345.0f;
+}
+
+static void attn_out_of_memory(bitsplit_ctx * ctx, struct ggml_tensor ** nodes, int which) {
+#if HAVE_ALLOC_FAULTS
+    static const char * const names[3] = {"oom-kq", "oom-softmax", "oom-kqv"};
+    for (int i = 0; i < 3; i++) {
+        ggml_set_name(nodes[i], names[i]);
+        const bool asked = bitsplit_eval_callback(nodes[i], true, ctx);
+        CHECK(!asked && nodes[i]->op == GGML_OP_CUSTOM, "attention out of memory: node %s not replaced", names[i]);
+        if (nodes[i]->op != GGML_OP_CUSTOM) return;
+        if (i < 2) memset(nodes[i]->data, 0, ggml_nbytes(nodes[i])); /* the next node's input, not computed here */
+    }
+    struct ggml_tensor * t = nodes[which];
+    fill_stale(t);
+    atomic_store(&g_memalign_fail_in, 1);
+    run_custom(t, 1);
+    atomic_store(&g_memalign_fail_in, 0);
+    check_oom_error(ctx, names[which], "attention out of memory");
+    size_t nans, stale;
+    count_nan_stale(t, &nans, &stale);
+    CHECK(nans == (size_t)ggml_nelements(t) && stale == 0, "%s out of scratch memory: %zu NaN, %zu stale of %lld",
+          names[which], nans, stale, (long long)ggml_nelements(t));
+    /* memory back: the same op computes every output */
+    fill_stale(t);
+    run_custom(t, 1);
+    char err[512] = "";
+    CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_OK, "%s after memory is back: %s", names[which],
+          err);
+    count_nan_stale(t, &nans, &stale);
+    CHECK(nans == 0 && stale == 0, "%s after memory is back: %zu NaN, %zu stale", names[which], nans, stale);
+#else
+    (void)ctx;
+    (void)nodes;
+    (void)which;
+#endif
+}
+
+static void get_rows_out_of_memory(const model * m, const mtensor * mt, int mode) {
+#if HAVE_ALLOC_FAULTS
+    bitsplit_ctx * ctx;
+    if (!load_fresh(m, &ctx)) return;
+    const int64_t K = mt->K, N = mt->N;
+    enum { NIDS = 5 };
+    struct ggml_init_params ip = {.mem_size = 8 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    struct ggml_context * g = ggml_init(ip);
+    struct ggml_tensor * W = ggml_new_tensor_2d(g, (enum ggml_type)mt->b->type, K, N);
+    ggml_set_name(W, mt->r->name);
+    struct ggml_tensor * ids = ggml_new_tensor_1d(g, GGML_TYPE_I32, NIDS);
+    struct ggml_tensor * R = ggml_get_rows(g, W, ids);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(g, ggml_backend_cpu_buffer_type());
+    CHECK(buf != NULL, "allocating CPU tensors");
+    if (buf != NULL) {
+        ggml_backend_tensor_set(W, m->base.b + mt->b->abs, 0, ggml_nbytes(W));
+        const int32_t idv[NIDS] = {0, (int32_t)(N - 1), 3 % (int32_t)N, 1 % (int32_t)N, (int32_t)(N / 2)};
+        ggml_backend_tensor_set(ids, idv, 0, sizeof(idv));
+        bitsplit_ctx_set_mode(ctx, mode ? BITSPLIT_MODE_ADD : BITSPLIT_MODE_AUTO);
+        bitsplit_ctx_set_enabled(ctx, true);
+        char what[256];
+        snprintf(what, sizeof(what), "embedding lookup of %s out of memory (%s)", mt->r->name, mode ? "add" : "replace");
+        for (int round = 0; round < 2; round++) { /* the allocation failing, then memory back */
+            fill_stale(R);
+            if (mode == 0) {
+                CHECK(bitsplit_eval_callback(R, true, ctx) == false && R->op == GGML_OP_CUSTOM, "%s: not replaced", what);
+            } else {
+                CHECK(bitsplit_eval_callback(R, true, ctx) == true && R->op == GGML_OP_GET_ROWS, "%s: add observes", what);
+            }
+            atomic_store(&g_memalign_fail_in, round == 0 ? 1 : 0);
+            if (mode == 0) {
+                run_custom(R, 1);
+            } else {
+                bitsplit_eval_callback(R, false, ctx);
+            }
+            atomic_store(&g_memalign_fail_in, 0);
+            size_t nans, stale;
+            count_nan_stale(R, &nans, &stale);
+            if (round == 0) {
+                if (mode == 0) {
+                    check_oom_error(ctx, mt->r->name, what);
+                } else { /* add mode's host buffers, not a kernel's scratch */
+                    char err[512] = "";
+                    const int st = bitsplit_ctx_take_error(ctx, err, sizeof(err));
+                    CHECK(st == BITSPLIT_E_NOMEM && strstr(err, mt->r->name) != NULL, "%s: status %d '%s'", what, st, err);
+                }
+                CHECK(nans == (size_t)(NIDS * K) && stale == 0, "%s: %zu NaN, %zu stale of %lld", what, nans, stale,
+                      (long long)(NIDS * K));
+            } else if (mode == 0) { /* add mode adds R to the node's W2 rows: stale values here */
+                char err[512] = "";
+                CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_OK, "%s, memory back: %s", what, err);
+                int64_t diff = 0;
+                const float * rows = R->data;
+                for (int i = 0; i < NIDS; i++)
+                    for (int64_t k = 0; k < K; k++) diff += rows[(size_t)i * K + k] != mt->w[(size_t)idv[i] * K + k];
+                CHECK(diff == 0, "%s, memory back: %lld values differ", what, (long long)diff);
+            }
+            bitsplit_ctx_set_enabled(ctx, false);
+            bitsplit_eval_callback(R, true, ctx); /* restore */
+            bitsplit_ctx_set_enabled(ctx, true);
+        }
+        ggml_backend_buffer_free(buf);
+    }
+    ggml_free(g);
+    bitsplit_ctx_free(ctx);
+#else
+    (void)m;
+    (void)mt;
+    (void)mode;
+#endif
+}
+
+static void test_custom_ops_out_of_memory(const model * m) {
+#if HAVE_ALLOC_FAULTS
+    int contiguous[AT_NV];
+    for (int j = 0; j < AT_NV; j++) contiguous[j] = j;
+    float out[AT_HD * AT_NH];
+    double e;
+    for (int which = 0; which < 3; which++) {
+        bitsplit_ctx * ctx;
+        if (!load_fresh(m, &ctx)) return;
+        bitsplit_ctx_set_enabled(ctx, true);
+        bitsplit_ctx_set_batch_invariant(ctx, true);
+        g_attn_fail = which;
+        attn_case(ctx, AT_NV + 5, 3, contiguous, 1, out, &e);
+        g_attn_fail = -1;
+        bitsplit_ctx_free(ctx);
+    }
+    const mtensor * t = pick(m, false, "token_embd.weight");
+    if (t != NULL && strcmp(t->r->name, "token_embd.weight") == 0) {
+        get_rows_out_of_memory(m, t, 0);
+        get_rows_out_of_memory(m, t, 1);
+    }
+#else
+    (void)m;
 #endif
 }
 
@@ -2264,6 +2448,39 @@ static void test_thread_sizing(const model * m) {
 /* bs_k4_scales_mins (all of Q4_K / Q5_K's scales and mins at once, which the integer families
  * take) against bs_k4_scale_min (one index, the reference layout): every value of each of the 12
  * bytes with the others random, and random blocks */
+/* native/arch/<arch>/cpu_feats.c against the compiler's own tests of this CPU (libgcc's
+ * __builtin_cpu_supports, which the families used before cpu_feats.c; on AArch64 the auxiliary vector) */
+static void test_cpu_feats(void) {
+    const uint32_t f = bs_cpu_feats();
+    CHECK(bs_cpu_feats() == f, "cpu_feats: a second call differs");
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    static const struct { uint32_t bit; const char * name; } cases[] = {
+        {BS_CPU_AVX2, "avx2"}, {BS_CPU_FMA, "fma"}, {BS_CPU_F16C, "f16c"}, {BS_CPU_AVX512F, "avx512f"},
+        {BS_CPU_AVX512BW, "avx512bw"}, {BS_CPU_AVX512VL, "avx512vl"}, {BS_CPU_AVX512DQ, "avx512dq"},
+        {BS_CPU_AVX512VNNI, "avx512vnni"},
+    };
+    const int has[sizeof(cases) / sizeof(cases[0])] = {
+        __builtin_cpu_supports("avx2"), __builtin_cpu_supports("fma"), __builtin_cpu_supports("f16c"),
+        __builtin_cpu_supports("avx512f"), __builtin_cpu_supports("avx512bw"), __builtin_cpu_supports("avx512vl"),
+        __builtin_cpu_supports("avx512dq"), __builtin_cpu_supports("avx512vnni"),
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        CHECK(((f & cases[i].bit) != 0) == (has[i] != 0), "cpu_feats: %s %d, libgcc says %d", cases[i].name,
+              (f & cases[i].bit) != 0, has[i] != 0);
+    }
+    CHECK(!(f & (BS_CPU_NEON | BS_CPU_DOTPROD)), "cpu_feats: ARM features on x86-64 (%#x)", f);
+    CHECK(!(f & BS_CPU_HALF_RATE_512) || (f & BS_CPU_AVX512F), "cpu_feats: half rate without AVX-512 (%#x)", f);
+    CHECK(!bs_cpu_amx_ready() || bs_cpu_has(BS_CPU_NEED_AVX512_BF16 | BS_CPU_AMX_TILE | BS_CPU_AMX_BF16),
+          "cpu_feats: AMX ready without the features (%#x)", f);
+#elif defined(__aarch64__)
+    CHECK((f & BS_CPU_NEON) != 0, "cpu_feats: no Advanced SIMD on AArch64 (%#x)", f);
+    CHECK(((f & BS_CPU_DOTPROD) != 0) == ((getauxval(AT_HWCAP) & (1 << 20)) != 0), "cpu_feats: dot product %#x", f);
+    CHECK(!bs_cpu_amx_ready(), "cpu_feats: AMX on AArch64");
+#endif
+    vlog("  cpu_feats %#x\n", f);
+}
+
 static void test_k4_scales(void) {
     uint32_t st = 12345u;
     long bad = 0;
@@ -2501,12 +2718,14 @@ int main(int argc, char ** argv) {
     test_api_edges(&m, work);
     test_imatrix();
     test_k4_scales();
+    test_cpu_feats();
     test_thread_sizing(&m);
     test_valid_load(&m, quick);
     test_scratch_out_of_memory(&m);
     const double t_products = now_s() - t;
     t = now_s();
     test_callback(&m);
+    test_custom_ops_out_of_memory(&m);
     test_realigned(&m, work, quick);
     const double t_callback = now_s() - t;
     t = now_s();

@@ -24,11 +24,12 @@
 
 #include "bitsplit.h"
 #include "bs_internal.h"
+#include "cpu_feats.h"
 
 #define KC 2048
 #define RB 4
 
-static bool neon_cpu(void) { return true; /* Advanced SIMD is part of every AArch64 CPU */ }
+static bool neon_cpu(void) { return bs_cpu_has(BS_CPU_NEON); /* every AArch64 CPU (cpu_feats.c) */ }
 
 static bool neon_supports(const bs_job * job) { return bs_f32_family_supports(job); }
 

@@ -27,21 +27,18 @@
 #include <arm_neon.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/auxv.h>
 
 #include "bitsplit.h"
 #include "bs_internal.h"
-
-#ifndef HWCAP_ASIMDDP
-#define HWCAP_ASIMDDP (1 << 20) /* AT_HWCAP bit of FEAT_DotProd (Linux) */
-#endif
+#include "cpu_feats.h"
 
 #define TGT __attribute__((target("arch=armv8.2-a+dotprod")))
 #define INL TGT static inline __attribute__((always_inline))
 
 #include "bs_codes.h" /* the type codes and the activation layout, avx2-int16's */
 
-static bool dot_cpu(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0; }
+/* the dot product (FEAT_DotProd; cpu_feats.c) */
+static bool dot_cpu(void) { return bs_cpu_has(BS_CPU_DOTPROD); }
 
 /* the same jobs avx2-int16 takes (the types a split holds, rows a multiple of their block) */
 static bool dot_supports(const bs_job * job) { return bs_f32_family_supports(job); }

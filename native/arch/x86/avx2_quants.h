@@ -15,6 +15,7 @@
 #define BS_AVX2_QUANTS_H
 
 #include "bs_codes.h"
+#include "cpu_feats.h"
 #include "q3k_scales.h"
 
 /* iq2.c's tables, for the family that takes IQ bases (NULL elsewhere: those never decode them) */
@@ -271,17 +272,8 @@ INL void iscales(int t, const uint8_t * b, __m256i * S, float * d, float * O) {
 
 INL size_t toff(int t, int64_t k) { return (size_t)(k / T_BLCK[t]) * (size_t)T_SIZE[t]; }
 
-/* whether this CPU runs the AVX2 families: AVX2 + FMA + F16C */
-static int avx2_cpu_cached = -1;
-
-static bool avx2_fma_f16c(void) {
-    if (avx2_cpu_cached < 0) {
-        __builtin_cpu_init();
-        avx2_cpu_cached =
-            __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return avx2_cpu_cached == 1;
-}
+/* whether this CPU runs the AVX2 families: AVX2 + FMA + F16C (cpu_feats.c) */
+static inline bool avx2_fma_f16c(void) { return bs_cpu_has(BS_CPU_NEED_AVX2); }
 
 /* the sum of 8 lanes, in a fixed order */
 TGT static inline float hsum8(__m256 v) {

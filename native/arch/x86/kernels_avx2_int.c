@@ -759,8 +759,36 @@ INL void rows_body_bits(const bs_job * job, int bt, int rt, bool coarse, bool ac
     }
 }
 
+/* avx2-int16's rows (the plain compilation of this file), which the AVX-VNNI compilation calls for
+ * the jobs where its own source would be the same (vnni_same_as_avx2) */
+void bs_int16_avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch);
+
+#if defined(BS_INT16_VNNI) && !defined(BS_INT16_EVEX)
+/* Whether the AVX-VNNI compilation leaves this pair of types to avx2-int16's bodies: vpdpbusd /
+ * vpdpwssd change only Q2_K's groups (its codes carry their scales) and the block-32 types' (Q8_0,
+ * Q4_0, Q4_1: apply_group, decode_group); for every other pair this compilation's source is
+ * avx2-int16's, the same intrinsics and the same results bit for bit, so its bodies are not
+ * compiled twice (8.4 s of this file's 24 s at -O3 on a 2-core Zen 5). The machine code differs only
+ * in register allocation: measured there, avxvnni-int16 with avx2-int16's bodies against its own
+ * (python bench/native_ab.py, a synthetic split of 6 Q4_K + Q6_K weights of 2048 x 4096, one
+ * process, 12-25 rounds, results bit-identical), time 0.99-1.04 at 1-5 columns for W2 + R with 16-
+ * and 8-bit activations, 0.96-1.08 for R alone at 1-16, where the same library against a copy of
+ * itself read 0.92-0.97: noise. */
+static inline bool vnni_same_as_avx2(int bt, int rt) {
+    const bool plain_b = bt == T_NONE || bt == T_Q3_K || bt == T_Q4_K || bt == T_Q5_K || bt == T_Q6_K;
+    const bool plain_r = rt == T_NONE || rt == T_Q4_K || rt == T_Q5_K || rt == T_Q6_K;
+    return plain_b && plain_r;
+}
+#endif
+
 /* W2 + R compiled twice: with 16-bit activations and with 8 (job->act8) */
 INL void rows_body(const bs_job * job, int bt, int rt, bool coarse, int64_t r0, int64_t r1, bs_scratch * scratch) {
+#if defined(BS_INT16_VNNI) && !defined(BS_INT16_EVEX)
+    if (vnni_same_as_avx2(bt, rt)) { /* a constant where inlined: the rest is not compiled */
+        bs_int16_avx2_rows(job, r0, r1, scratch);
+        return;
+    }
+#endif
     if (bt != T_NONE && rt != T_NONE && !coarse && job->act8) {
         rows_body_bits(job, bt, rt, coarse, true, r0, r1, scratch);
     } else {
@@ -775,10 +803,15 @@ static void int16_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * 
     if (f != NULL) f(job, r0, r1, scratch); /* int16_supports admitted the job */
 }
 
+#if !defined(BS_INT16_VNNI)
+void bs_int16_avx2_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scratch * scratch) {
+    int16_rows(job, r0, r1, scratch);
+}
+#endif
+
 #if defined(BS_INT16_EVEX)
-/* AVX512-VNNI with VL and BW (EVEX vpdpbusd on 256-bit vectors; vnni-int24's test, kernels_int.c)
- * besides AVX2 + FMA + F16C */
-static bool avx512_vnni_vl(void) { return avx2_fma_f16c() && bs_cpu_avx512_vnni(); }
+/* AVX512-VNNI with VL and BW (EVEX vpdpbusd on 256-bit vectors) besides AVX2 + FMA + F16C */
+static bool avx512_vnni_vl(void) { return bs_cpu_has(BS_CPU_NEED_AVX512VNNI_256); }
 
 const bs_kernel_family bs_family_avx512vnni_int16 = {
     "avx512vnni-int16", BS_ISA_AVX512, avx512_vnni_vl, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,
@@ -801,19 +834,8 @@ const bs_kernel_family bs_family_avx512vnni_int16 = {
     .exact_weights = true,
 };
 #elif defined(BS_INT16_VNNI)
-static int vnni256_cached = -1;
-/* AVX-VNNI (VEX vpdpbusd/vpdpwssd): CPUID leaf 7, sub-leaf 1, EAX bit 4 */
-static bool avx2_vnni256(void) {
-    if (vnni256_cached < 0) {
-        unsigned a = 0, b = 0, c = 0, d = 0;
-        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
-        const unsigned max_leaf = a;
-        a = 0;
-        if (max_leaf >= 7) __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
-        vnni256_cached = avx2_fma_f16c() && (a & (1u << 4)) != 0;
-    }
-    return vnni256_cached == 1;
-}
+/* AVX-VNNI (VEX vpdpbusd/vpdpwssd) besides AVX2 + FMA + F16C */
+static bool avx2_vnni256(void) { return bs_cpu_has(BS_CPU_NEED_AVXVNNI); }
 
 const bs_kernel_family bs_family_avxvnni_int16 = {
     "avxvnni-int16", BS_ISA_AVXVNNI, avx2_vnni256, int16_supports, int16_acts_size, int16_prepare_acts, int16_rows,

@@ -25,6 +25,7 @@
 
 #include "bitsplit.h"
 #include "bs_internal.h"
+#include "cpu_feats.h"
 #include "prefetch.h"
 #include "q3k_scales.h"
 
@@ -39,24 +40,8 @@ typedef struct {
     float pad[15];
 } act_block; /* 3*256 + 64 + 64 = 896 bytes, 64-byte aligned */
 
-static int cpu_avx512_vnni = -1, cpu_int = -1;
-
-bool bs_cpu_avx512_vnni(void) {
-    if (cpu_avx512_vnni < 0) {
-        __builtin_cpu_init();
-        cpu_avx512_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    }
-    return cpu_avx512_vnni == 1;
-}
-
-static bool int_available(void) {
-    if (cpu_int < 0) {
-        cpu_int = bs_cpu_avx512_vnni() && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
-                  __builtin_cpu_supports("f16c");
-    }
-    return cpu_int == 1;
-}
+/* AVX-512 F, BW, VL, DQ and VNNI, FMA, F16C (cpu_feats.c) */
+static bool int_available(void) { return bs_cpu_has(BS_CPU_NEED_VNNI_INT24); }
 
 static bool type_ok(enum ggml_type t) {
     return t == GGML_TYPE_Q2_K || t == GGML_TYPE_Q3_K || t == GGML_TYPE_Q4_K || t == GGML_TYPE_Q5_K ||

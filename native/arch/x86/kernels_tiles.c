@@ -20,70 +20,16 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "bitsplit.h"
 #include "bs_internal.h"
+#include "cpu_feats.h"
 #include "q3k_scales.h"
 
 #define TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2")))
 #define TGT_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2,amx-tile,amx-bf16")))
 
 #define QK 256
-
-/* ---------------------------------------------------------------------------------------------
- * CPU features
- * ------------------------------------------------------------------------------------------- */
-
-static int cpu_avx512bf16 = -1;
-static int cpu_amx = -1;
-
-static void cpuid_count(unsigned leaf, unsigned sub, unsigned r[4]) {
-    __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
-}
-
-static unsigned long long xgetbv0(void) {
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return ((unsigned long long)hi << 32) | lo;
-}
-
-static bool has_avx512bf16(void) {
-    if (cpu_avx512bf16 < 0) {
-        __builtin_cpu_init();
-        unsigned r[4];
-        cpuid_count(7, 1, r);
-        const bool bf16 = (r[0] >> 5) & 1; /* CPUID.(7,1):EAX[5] AVX512_BF16 */
-        const unsigned long long xcr0 = xgetbv0();
-        const bool os_zmm = (xcr0 & 0xe6) == 0xe6; /* SSE, AVX, opmask, ZMM state enabled */
-        cpu_avx512bf16 = bf16 && os_zmm && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return cpu_avx512bf16 == 1;
-}
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static bool has_amx(void) {
-    if (cpu_amx < 0) {
-        cpu_amx = 0;
-        if (has_avx512bf16()) {
-            unsigned r[4];
-            cpuid_count(7, 0, r);
-            const bool tile = (r[3] >> 24) & 1, bf16 = (r[3] >> 22) & 1;
-            const unsigned long long xcr0 = xgetbv0();
-            const bool os_tiles = ((xcr0 >> 17) & 3) == 3;
-            /* Linux hands out the tile state only on request (per process) */
-            if (tile && bf16 && os_tiles && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0) {
-                cpu_amx = 1;
-            }
-        }
-    }
-    return cpu_amx == 1;
-}
 
 /* ---------------------------------------------------------------------------------------------
  * unpacking: elements [k0, k0 + n) of one row to f32 (n: 256 for K-quants, a multiple of 32 else)
@@ -612,7 +558,8 @@ static bool fast_types(const bs_job * job) {
  * avx512-bf16 family
  * ------------------------------------------------------------------------------------------- */
 
-static bool avx512_available(void) { return has_avx512bf16(); }
+/* AVX-512 F, BW, VL, DQ and BF16, FMA, F16C (cpu_feats.c) */
+static bool avx512_available(void) { return bs_cpu_has(BS_CPU_NEED_AVX512_BF16); }
 
 static size_t avx512_acts_size(const bs_job * job) { return (size_t)job->K * (size_t)job->n_cols * 2 + 64; }
 
@@ -716,7 +663,8 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) tile_cfg;
 
-static bool amx_available(void) { return has_amx(); }
+/* those and the tiles, with this process's permission to use them (cpu_feats.c) */
+static bool amx_available(void) { return bs_cpu_amx_ready(); }
 
 /* activations as B tiles: [group of 16 columns][k/32][16 k-pairs][16 columns][2] */
 static size_t amx_acts_size(const bs_job * job) {
