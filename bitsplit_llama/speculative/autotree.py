@@ -430,14 +430,6 @@ def load_or_measure(engine: Engine, tokenize: Callable[[str], list[int]], is_sto
 AUTO_ROOM = TreeShape(24, 4, 10)
 
 
-def split_profile(model_dir) -> dict | None:
-    """The split's own acceptance profile (``bitsplit profile``), or None without one (or with one of
-    another base)."""
-    from ..formats.profile import load_profile
-
-    return load_profile(model_dir)
-
-
 def room_for(split_prof: dict | None) -> TreeShape:
     """The largest tree an automatic choice may pick: :data:`AUTO_ROOM`, or the split profile's
     largest measured size where that is larger."""

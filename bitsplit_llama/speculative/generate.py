@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from ..errors import BusyError, InvalidOptionError
+from ..formats.profile import load_profile
 from ..runtime.verifier import SplitModel
 from . import autotree
 from .engine import Engine, Stats, TreeShape, n_seq_max_for, reserve_for
@@ -53,7 +54,7 @@ class Generator:
         auto = shape is None and opts.tree_nodes == "auto"
         self.shape = shape or (TreeShape(0, 1, 1) if auto else TreeShape.for_nodes(opts.tree_nodes))
         self.shape.validate()
-        split_prof = autotree.split_profile(model_dir) if auto else None
+        split_prof = load_profile(model_dir) if auto else None  # the split's own (bitsplit profile), if any
         room = autotree.room_for(split_prof) if auto else self.shape  # the largest the choice may use
         self.sm = SplitModel(model_dir, n_ctx=opts.n_ctx, n_batch=max(opts.n_batch, room.nodes + 8),
                              n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=opts.n_threads,
