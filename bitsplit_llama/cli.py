@@ -186,7 +186,9 @@ def _print_json(obj: dict) -> None:
     print(json.dumps(obj, separators=(",", ":")), flush=True)
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "not measured on this platform"
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 

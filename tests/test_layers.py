@@ -15,7 +15,7 @@ PACKAGE = "bitsplit_llama"
 
 #: bottom to top; modules of one rank may import each other
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_version", "errors", "cache"),
+    ("_version", "_platform", "errors", "cache"),
     ("formats",),
     ("native",),
     ("runtime",),

@@ -12,25 +12,15 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import sys
 
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: be killed when the split process dies, even by SIGKILL (no orphan quantizer)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(5)
+from .._platform import die_with_parent
 
 
 def main(argv: list[str]) -> int:
     args = json.loads(argv[1])
     if args.get("parent"):
-        _die_with_parent(int(args["parent"]))
+        die_with_parent(int(args["parent"]))  # no orphan quantizer if the split is killed
     import llama_cpp  # loads libllama; its default logger prints llama.cpp's log to stderr
 
     params = llama_cpp.llama_model_quantize_default_params()

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -31,6 +30,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
 
 from . import _ggml, placement
+from .._platform import peak_rss, pid_alive
 from ..errors import InputError, InvalidOptionError, OutputError, UnsupportedModelError
 from .gguf_file import (GGUFFile, StreamingGGUFWriter, TensorInfo, fingerprint, iter_row_chunks, tensor_checksum,
                         type_name, write_error)
@@ -103,8 +103,8 @@ class SplitReport(BitsPerWeight):
     seconds: float
     base_seconds: float
     residual_seconds: float
-    peak_rss_bytes: int
-    quantizer_peak_rss_bytes: int
+    peak_rss_bytes: int | None           # None: not measured on this platform
+    quantizer_peak_rss_bytes: int | None
     n_params: int
     base_bytes: int
     residual_bytes: int
@@ -262,8 +262,6 @@ def _residual_rows(src: GGUFFile, st: TensorInfo, base: GGUFFile, bt: TensorInfo
     return np.ascontiguousarray(s - b, dtype=np.float32)
 
 
-def _peak_rss(who: int) -> int:
-    return resource.getrusage(who).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _check_source(src: GGUFFile) -> None:
@@ -293,20 +291,8 @@ def _prepare_out_dir(out_dir: Path, force: bool) -> None:
             pid = int(p.name.split(".")[-2].rsplit("-", 1)[-1])
         except ValueError:
             pid = -1
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             p.unlink(missing_ok=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _check_space(out_dir: Path, need: int) -> None:
@@ -335,7 +321,7 @@ def quantize_model(src: Path, dst: Path, ftype: str | int, threads: int, imatrix
     pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     tail: list[str] = [] if log_tail is None else log_tail
-    before = _peak_rss(resource.RUSAGE_CHILDREN)
+    before = peak_rss(children=True)
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=env, text=True, errors="replace", start_new_session=True)
     done = 0
@@ -358,8 +344,8 @@ def quantize_model(src: Path, dst: Path, ftype: str | int, threads: int, imatrix
         raise
     if rc != 0:
         raise UnsupportedModelError(f"{src}: llama.cpp could not quantize it: {_quantizer_reason(tail, rc)}")
-    after = _peak_rss(resource.RUSAGE_CHILDREN)
-    return max(after, before)
+    after = peak_rss(children=True)
+    return None if after is None else max(after, before or 0)
 
 
 def _quantizer_reason(tail: list[str], rc: int) -> str:
@@ -527,7 +513,7 @@ def split_model(
     return SplitReport(
         source=source, out_dir=out_dir, base_path=out_dir / BASE_NAME, residual_path=out_dir / RESIDUAL_NAME,
         residual_type=residual.lower(), seconds=time.monotonic() - t0, base_seconds=base_seconds,
-        residual_seconds=residual_seconds, peak_rss_bytes=_peak_rss(resource.RUSAGE_SELF),
+        residual_seconds=residual_seconds, peak_rss_bytes=peak_rss(),
         quantizer_peak_rss_bytes=child_rss, n_params=n_params, base_bytes=base_bytes,
         residual_bytes=residual_bytes, base_types=base_types,
         residual_types=dict(Counter(type_name(r.residual_type) for r in plan)),

@@ -17,7 +17,6 @@ called by llama.cpp directly.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
@@ -32,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 
+from .._platform import lock_exclusive
 from ..errors import NativeError
 
 ARCH_DIRS = {"x86_64": "x86", "amd64": "x86", "aarch64": "arm", "arm64": "arm"}
@@ -203,7 +203,7 @@ def build(force: bool = False, log=None) -> Path:
     except OSError as exc:
         raise NativeError(f"{out_dir}: cannot create the native build cache ({exc.strerror})") from None
     with open(out_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same thing
+        lock_exclusive(lock)  # another process may be building the same thing
         if target.exists() and not force:
             return target
         out_dir.mkdir(parents=True, exist_ok=True)  # a prune may have removed it while this one waited
@@ -294,8 +294,10 @@ def prune(keep: str | None = None, older_than_s: float | None = None) -> list[tu
             continue
         with lock:
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                free = lock_exclusive(lock, blocking=False)
             except OSError:
+                free = False
+            if not free:
                 continue  # being built now
             size = _tree_bytes(d)
             shutil.rmtree(d, ignore_errors=True)

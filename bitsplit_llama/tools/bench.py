@@ -72,9 +72,9 @@ def _peak_rss() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
+    from .._platform import peak_rss
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss() or 0  # 0: not measured on this platform
 
 
 def _worker(cfg: dict) -> None:
@@ -106,9 +106,9 @@ def _load_side(cfg: dict) -> Callable[[dict], tuple]:
     """Load one side's model; returns generate(request) -> (tokens, first token time, last token
     time, statistics)."""
     if cfg.get("parent"):
-        from ..formats._quantize_worker import _die_with_parent
+        from .._platform import die_with_parent
 
-        _die_with_parent(int(cfg["parent"]))  # no orphan worker if the bench is killed while it loads
+        die_with_parent(int(cfg["parent"]))  # no orphan worker if the bench is killed while it loads
     if cfg["side"] == "stock":
         from ..runtime.stock import stock_llama
 
