@@ -397,7 +397,8 @@ def serve(model_dir: str, options: Optional[GenerationOptions] = None, *, sampli
         # uvicorn re-raises the signal that stopped it once it is done, into the handler it found:
         # make that a no-op, so that a clean stop frees the model and exits 0
         main = threading.current_thread() is threading.main_thread()
-        quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        sigs = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGBREAK,) if hasattr(signal, "SIGBREAK") else ())  # Windows
+        quiet = {sig: signal.signal(sig, lambda *_: None) for sig in sigs} if main else {}
         try:
             server.run()
         finally:

@@ -619,9 +619,15 @@ def _write_residual(path: Path, src: GGUFFile, base: GGUFFile, plan: list[Residu
 
 
 def install_sigterm_handler() -> Callable[[], None]:
-    """Make SIGTERM unwind like Ctrl-C (so temporaries are removed); returns a restore function."""
+    """Make SIGTERM (and on Windows Ctrl-Break, SIGBREAK) unwind like Ctrl-C, so that temporaries are
+    removed; returns a restore function."""
     def handler(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, handler)
-    return lambda: signal.signal(signal.SIGTERM, old)
+    sigs = [signal.SIGTERM] + ([signal.SIGBREAK] if hasattr(signal, "SIGBREAK") else [])
+    old = {sig: signal.signal(sig, handler) for sig in sigs}
+
+    def restore() -> None:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    return restore
