@@ -23,7 +23,7 @@ import typer
 
 from .errors import BitsplitError, InvalidOptionError
 from .api import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUE, DEFAULT_WAIT_S
-from .speculative.options import CHAT_TEMPERATURE, GenerationOptions, SamplingParams
+from .speculative.options import CHAT_TEMPERATURE, GenerationOptions, SamplingParams, parse_tree_nodes
 from .tools.plan import DEFAULT_VERIFY_ROWS
 
 app = typer.Typer(
@@ -310,12 +310,6 @@ def info(
                 print(f"    {f}: {t}")
     if failed:
         raise typer.Exit(1)
-
-
-def _tree_nodes(value: str) -> int | str:
-    from .speculative.options import parse_tree_nodes
-
-    return parse_tree_nodes(value)
 
 
 def _say(s: str) -> None:
@@ -920,7 +914,7 @@ def demo(
         sys.stdout.write(s)
         sys.stdout.flush()
 
-    rep = run_demo(model, out=out, prompt=prompt, n_predict=n_predict, tree_nodes=_tree_nodes(tree_nodes),
+    rep = run_demo(model, out=out, prompt=prompt, n_predict=n_predict, tree_nodes=parse_tree_nodes(tree_nodes),
                    threads=threads, log=_say, on_piece=None if as_json else piece, progress=make_progress(as_json))
     if as_json:
         _print_json(rep.to_json())

@@ -19,8 +19,6 @@ from ..errors import InvalidOptionError
 
 #: who computes the drafter's products
 DRAFTERS = ("auto", "native", "llama.cpp")
-#: the verifier products' arithmetic (native/bitsplit.h: bitsplit_ctx_set_precision)
-PRECISIONS = ("auto", "f32", "bf16")
 
 
 class UnknownOptionError(InvalidOptionError, TypeError):
@@ -87,7 +85,7 @@ class GenerationOptions:
         from .engine import parse_draft_stop
 
         set_("draft_stop", parse_draft_stop(self.draft_stop))
-        from ..native.residual import check_act_bits, check_draft_vocab
+        from ..native.residual import PRECISIONS, check_act_bits, check_draft_vocab
 
         set_("draft_vocab", check_draft_vocab(self.draft_vocab))
         if self.precision not in PRECISIONS:
