@@ -1361,22 +1361,36 @@ static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mte
     ggml_free(g);
 }
 
+/* A GET_ROWS of ``nids`` ids from the base tensor of ``mt`` (named as its residual, so that the hook
+ * knows it), its tensors on the CPU with the weight holding the base's bytes. Returns the node, its
+ * ids in *ids, the context and buffer to free in *g and *buf; NULL (nothing to free) where the buffer
+ * cannot be allocated. */
+static struct ggml_tensor * get_rows_node(const model * m, const mtensor * mt, int nids, struct ggml_context ** g,
+                                          ggml_backend_buffer_t * buf, struct ggml_tensor ** ids) {
+    struct ggml_init_params ip = {.mem_size = 16 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
+    *g = ggml_init(ip);
+    struct ggml_tensor * W = ggml_new_tensor_2d(*g, (enum ggml_type)mt->b->type, mt->K, mt->N);
+    ggml_set_name(W, mt->r->name);
+    *ids = ggml_new_tensor_1d(*g, GGML_TYPE_I32, nids);
+    struct ggml_tensor * R = ggml_get_rows(*g, W, *ids);
+    *buf = ggml_backend_alloc_ctx_tensors_from_buft(*g, ggml_backend_cpu_buffer_type());
+    CHECK(*buf != NULL, "allocating CPU tensors");
+    if (*buf == NULL) {
+        ggml_free(*g);
+        return NULL;
+    }
+    ggml_backend_tensor_set(W, m->base.b + mt->b->abs, 0, ggml_nbytes(W));
+    return R;
+}
+
 static void test_callback_get_rows(bitsplit_ctx * ctx, const model * m, const mtensor * mt) {
     const int64_t K = mt->K, N = mt->N;
     enum { NIDS = 6 };
-    struct ggml_init_params ip = {.mem_size = 16 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
-    struct ggml_context * g = ggml_init(ip);
-    struct ggml_tensor * W = ggml_new_tensor_2d(g, (enum ggml_type)mt->b->type, K, N);
-    ggml_set_name(W, mt->r->name);
-    struct ggml_tensor * ids = ggml_new_tensor_1d(g, GGML_TYPE_I32, NIDS);
-    struct ggml_tensor * R = ggml_get_rows(g, W, ids);
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(g, ggml_backend_cpu_buffer_type());
-    CHECK(buf != NULL, "allocating CPU tensors");
-    if (buf == NULL) {
-        ggml_free(g);
-        return;
-    }
-    ggml_backend_tensor_set(W, m->base.b + mt->b->abs, 0, ggml_nbytes(W));
+    struct ggml_context * g;
+    ggml_backend_buffer_t buf;
+    struct ggml_tensor * ids;
+    struct ggml_tensor * R = get_rows_node(m, mt, NIDS, &g, &buf, &ids);
+    if (R == NULL) return;
     char err[512], what[256];
     snprintf(what, sizeof(what), "callback GET_ROWS %s", mt->r->name);
     for (int mode = 0; mode < 2; mode++) {
@@ -1761,16 +1775,11 @@ static void get_rows_out_of_memory(const model * m, const mtensor * mt, int mode
     if (!load_fresh(m, &ctx)) return;
     const int64_t K = mt->K, N = mt->N;
     enum { NIDS = 5 };
-    struct ggml_init_params ip = {.mem_size = 8 * ggml_tensor_overhead(), .mem_buffer = NULL, .no_alloc = true};
-    struct ggml_context * g = ggml_init(ip);
-    struct ggml_tensor * W = ggml_new_tensor_2d(g, (enum ggml_type)mt->b->type, K, N);
-    ggml_set_name(W, mt->r->name);
-    struct ggml_tensor * ids = ggml_new_tensor_1d(g, GGML_TYPE_I32, NIDS);
-    struct ggml_tensor * R = ggml_get_rows(g, W, ids);
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(g, ggml_backend_cpu_buffer_type());
-    CHECK(buf != NULL, "allocating CPU tensors");
-    if (buf != NULL) {
-        ggml_backend_tensor_set(W, m->base.b + mt->b->abs, 0, ggml_nbytes(W));
+    struct ggml_context * g;
+    ggml_backend_buffer_t buf;
+    struct ggml_tensor * ids;
+    struct ggml_tensor * R = get_rows_node(m, mt, NIDS, &g, &buf, &ids);
+    if (R != NULL) {
         const int32_t idv[NIDS] = {0, (int32_t)(N - 1), 3 % (int32_t)N, 1 % (int32_t)N, (int32_t)(N / 2)};
         ggml_backend_tensor_set(ids, idv, 0, sizeof(idv));
         bitsplit_ctx_set_mode(ctx, mode ? BITSPLIT_MODE_ADD : BITSPLIT_MODE_AUTO);
@@ -1817,8 +1826,8 @@ static void get_rows_out_of_memory(const model * m, const mtensor * mt, int mode
             bitsplit_ctx_set_enabled(ctx, true);
         }
         ggml_backend_buffer_free(buf);
+        ggml_free(g);
     }
-    ggml_free(g);
     bitsplit_ctx_free(ctx);
 #else
     (void)m;
