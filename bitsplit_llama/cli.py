@@ -546,14 +546,21 @@ def plan(
                                  "a drafter and a verify pass's products on the split's own tensors at the planned "
                                  "rows (seconds per tree size); --no-measure takes the machine profile's rates, "
                                  "measured on synthetic 4,096-wide tensors."),
+    product_overhead_us: Optional[float] = typer.Option(
+        None, "--product-overhead-us", help="Microseconds of overhead per hooked product per verify pass "
+        "(synchronisation, copies and callback time beyond the bytes over PCIe; not with --gpu none). Default: the "
+        "newest measurement found (overhead_per_product_us in bench/results/gpu_check*.json of this checkout or "
+        "<cache>/results/gpu_check*.json), else 20 (2 PCIe transfers x 10 us). The plan also prints its choice "
+        "at 10 us, 100 us and 1 ms."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Project what fits where and the tokens/s of bitsplit vs stock Q8_0 with partial offload (a projection).
 
     MODEL is a GGUF file, a split directory (with --gpu none) or a preset name (llama-3-70b, qwen2.5-32b,
     gemma-2-27b, qwen2.5-coder-1.5b)."""
-    from .tools.plan import make_cpu_plan
+    from .tools.plan import check_product_overhead, make_cpu_plan
 
+    check_product_overhead(product_overhead_us)
     for name, v in (("--tokens-per-verify", tokens_per_verify), ("--rounds", rounds), ("--cpu-cores", cpu_cores),
                     ("--verify-rows", verify_rows)):
         if v is not None and v <= 0:
@@ -587,6 +594,9 @@ def plan(
             raise InvalidOptionError("--base with --gpu none: a split directory's own base is measured; leave it out")
         if len(profiles) > 1:
             raise InvalidOptionError("--profile with --gpu none: one profile at most (the split's own)")
+        if product_overhead_us is not None:
+            raise InvalidOptionError("--product-overhead-us with --gpu none: no product is hooked without a GPU; "
+                                     "leave it out")
         bw_now = None
         if measure and ram_bandwidth is None and Path(model).is_dir():  # one figure for every tree size
             from .formats.modeldir import split_paths
@@ -613,7 +623,7 @@ def plan(
         p = choose_plan(str(model), base_type=base_type, residual=residual, profiles=profiles, max_kl=max_kl,
                         tokens_per_verify=tokens_per_verify, rounds=rounds, verify_rows=verify_rows, vram_gb=vram,
                         gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth, n_ctx=n_ctx, cores=cpu_cores,
-                        keep_layers=keep_layers, ram_gb=ram, log=_say)
+                        keep_layers=keep_layers, ram_gb=ram, product_overhead_us=product_overhead_us, log=_say)
     if as_json:
         _print_json(p)
         return

@@ -9,7 +9,7 @@ bitsplit, base on the GPU (as much as fits, the rest on the CPU), residual in sy
     t_draft  = base_gpu / B_gpu + base_cpu / (B_ram * e_ram) + launch
     t_verify = base_gpu / B_gpu + base_cpu / (B_ram * e_ram) + t_residual + t_pcie
     t_residual = max(residual / (B_ram * e_ram),  residual_weights / (cores * w_core))
-    t_pcie   = hooked products * (2 * latency + activation bytes / B_pcie)
+    t_pcie   = hooked products * overhead + activation bytes / B_pcie
     tokens/s = a / (rounds * t_draft + t_verify)
 With ``--gpu none`` (everything on this CPU, the case a measurement here can check):
     t_q8     = q8 / (B_ram * e_ram)
@@ -25,7 +25,11 @@ and ``rounds`` the drafter passes per cycle (given, or 4 and 5 by default: about
 tree reaches on code with a small model here; the big model's own acceptance is not measured;
 with ``--gpu none`` and nothing given, chains of 1-4 nodes are compared with that tree:
 :func:`default_profile`). The residual and the GPU halves run one after the other
-(the eval callback synchronises at every product).
+(the eval callback synchronises at every product). ``overhead`` is each hooked product's fixed cost
+per verify pass beyond its bytes (``--product-overhead-us``: given, else the last GPU measurement
+found, else 2 PCIe transfers of 10 us: :func:`product_overhead`); the hooked products are 7 per split
+layer and the output head (:func:`hooked_products`), and the chosen plan is also projected at 10 us,
+100 us and 1 ms per product (``overhead_sensitivity``).
 """
 
 from __future__ import annotations
@@ -80,16 +84,101 @@ E_RAM = 0.8
 GPU_OVERHEAD = 1.0e9       # CUDA context, compute buffers
 LAUNCH_S = 0.002           # per-pass fixed cost on a GPU (kernel launches, sync)
 PCIE_LATENCY_S = 10e-6
+#: a hooked product's fixed cost per verify pass (synchronisation, copies, the callback), beyond its
+#: activations' bytes over PCIe, where no GPU measurement is found: the model's two PCIe transfers
+#: (x to the host, the sum back) at :data:`PCIE_LATENCY_S` each, as every projection before
+#: ``--product-overhead-us`` charged. The one real GPU run (an H200, a toy model) measured ~2 ms.
+DEFAULT_PRODUCT_OVERHEAD_US = 2 * PCIE_LATENCY_S * 1e6
+#: the per-product overheads the chosen plan is also projected at, so that a reader sees how much it
+#: depends on that figure (from the constant to the order of the one GPU measurement)
+SENSITIVITY_US = (10.0, 100.0, 1000.0)
+#: products with a residual per split layer: q, k, v, o, gate, up, down (dense layers: the presets and
+#: the GGUF shapes plan reads); the output head is one more per pass (:func:`hooked_products`)
+PRODUCTS_PER_LAYER = 7
+#: where a GPU measurement of the per-product overhead is looked for (:func:`measured_product_overhead`):
+#: this checkout's bench/results (absent from an installed package) and the user cache's results/
+REPO_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+MEASUREMENT_GLOB = "gpu_check*.json"
+MEASUREMENT_KEY = "overhead_per_product_us"
 #: every constant the projection assumes, stated in its output
 CONSTANTS = {"e_ram": E_RAM, "gpu_overhead_bytes": GPU_OVERHEAD, "launch_and_sync_s_per_pass": LAUNCH_S,
-             "pcie_latency_s_per_transfer": PCIE_LATENCY_S, "base_bpw": BASE_BPW, "q8_0_bpw": Q8_BPW,
-             "residual_bpw": RESIDUAL_BPW}
+             "pcie_latency_s_per_transfer": PCIE_LATENCY_S, "default_product_overhead_us": DEFAULT_PRODUCT_OVERHEAD_US,
+             "base_bpw": BASE_BPW, "q8_0_bpw": Q8_BPW, "residual_bpw": RESIDUAL_BPW}
+
+
+def hooked_products(layers: int, kept: int) -> int:
+    """Products completed in add mode per verify pass: :data:`PRODUCTS_PER_LAYER` per split layer (a
+    layer kept whole has no residual) and the output head's."""
+    return (layers - kept) * PRODUCTS_PER_LAYER + 1
+
+
+def check_product_overhead(us: float | None) -> float | None:
+    """``--product-overhead-us``: None (find one) or a finite number of microseconds, 0 or more."""
+    if us is not None and not (isinstance(us, (int, float)) and math.isfinite(us) and us >= 0):
+        raise InvalidOptionError(f"--product-overhead-us: {us} must be a finite number of microseconds, 0 or more")
+    return us
+
+
+def measurement_dirs() -> list[Path]:
+    """Where :func:`measured_product_overhead` looks: this checkout's ``bench/results`` and
+    ``<cache>/results`` (:func:`bitsplit_llama.cache.cache_dir`)."""
+    from ..cache import cache_dir
+
+    return [REPO_RESULTS, cache_dir() / "results"]
+
+
+def _find_key(obj, key: str):
+    """The first value of ``key`` in a JSON document, at any depth (gpu_check's JSON nests its parts)."""
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        for v in obj:
+            found = _find_key(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def measured_product_overhead() -> tuple[float, Path] | None:
+    """(µs per hooked product, file) from the newest ``gpu_check*.json`` under :func:`measurement_dirs`
+    (by modification time) whose JSON (the whole file, or its last line: gpu_check prints logs
+    before it) holds :data:`MEASUREMENT_KEY` as a finite number, 0 or more; None where none does."""
+    import json
+
+    files = [f for d in measurement_dirs() if d.is_dir() for f in d.glob(MEASUREMENT_GLOB) if f.is_file()]
+    for f in sorted(files, key=lambda f: f.stat().st_mtime, reverse=True):
+        try:
+            text = f.read_text()
+            try:
+                doc = json.loads(text)
+            except ValueError:
+                doc = json.loads(text.strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError):  # not a measurement: the next one
+            continue
+        v = _find_key(doc, MEASUREMENT_KEY)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+            return float(v), f
+    return None
+
+
+def product_overhead(us: float | None) -> tuple[float, str]:
+    """(µs per hooked product, where it came from): given, else the last GPU measurement found
+    (:func:`measured_product_overhead`), else :data:`DEFAULT_PRODUCT_OVERHEAD_US`."""
+    if check_product_overhead(us) is not None:
+        return float(us), "given"
+    found = measured_product_overhead()
+    if found is not None:
+        return found[0], f"measured: {found[1]}"
+    return DEFAULT_PRODUCT_OVERHEAD_US, (f"default: no GPU measurement found; 2 PCIe transfers x "
+                                         f"{1e6 * PCIE_LATENCY_S:g} us")
 
 
 def _constants_text() -> str:
     return (f"a streaming pass reaches {E_RAM:g} of RAM bandwidth; {GPU_OVERHEAD / 1e9:g} GB of VRAM for the runtime "
-            f"and compute buffers; {1000 * LAUNCH_S:g} ms launch and sync per GPU pass; {1e6 * PCIE_LATENCY_S:g} us "
-            f"per PCIe transfer (2 per hooked product); base q2_k {BASE_BPW:g} bpw (others at their types' "
+            f"and compute buffers; {1000 * LAUNCH_S:g} ms launch and sync per GPU pass; a hooked product's overhead "
+            f"as above; base q2_k {BASE_BPW:g} bpw (others at their types' "
             f"rates), Q8_0 {Q8_BPW:g} bpw, residual "
             + ", ".join(f"{k} {v:g}" for k, v in RESIDUAL_BPW.items()) + " bpw (the base as on real splits, residuals at their types' rates)")
 
@@ -322,9 +411,13 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
               ram_bw: float | None = None, residual: str = "q6_k", n_ctx: int = 8192,
               tokens_per_verify: float | None = None, rounds: int | None = None, cores: int | None = None,
               verify_rows: int = DEFAULT_VERIFY_ROWS, keep_layers: int | None = None, base_type: str = "q2_k",
-              acceptance_source: str = "given", ram_gb: float | None = None, log=None) -> dict:
+              acceptance_source: str = "given", ram_gb: float | None = None,
+              product_overhead_us: float | None = None, log=None) -> dict:
     """``keep_layers``: at most this many whole layers (None: as many as fit, 0: none); ``base_type``:
-    the base's type (``split --base``)."""
+    the base's type (``split --base``); ``product_overhead_us``: each hooked product's fixed cost per
+    verify pass beyond its bytes over PCIe (None: the last GPU measurement found, else the default:
+    :func:`product_overhead`). The JSON adds ``overhead_sensitivity``: the chosen placement projected
+    at each of :data:`SENSITIVITY_US` instead."""
     if base_type not in BASE_TYPE_BPW:
         raise InvalidOptionError(f"--base: '{base_type}' unknown (expected one of: {', '.join(BASE_TYPE_BPW)})")
     if keep_layers is not None and keep_layers < 0:
@@ -340,6 +433,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         raise InvalidOptionError(f"--n-ctx: {n_ctx} is not positive")
     if ram_gb is not None and not (math.isfinite(ram_gb) and ram_gb > 0):
         raise InvalidOptionError(f"--ram: {ram_gb} must be a positive number")
+    overhead_us, overhead_src = product_overhead(product_overhead_us)
     name, (L, E, F, H, KV, V), n_params = _shape_from(str(model))
     cores = cores or os.cpu_count() or 1
     profile, why = _machine(log)
@@ -377,7 +471,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         tokens_per_verify, a_src = 4.0, "default (about what a 16-node tree reaches on code with a small model here)"
     rounds = rounds or 5
 
-    def project(kept: int) -> dict:
+    def project(kept: int, overhead_us: float = overhead_us) -> dict:
         split_share = (L - kept) / L
         gpu_bytes = base + kept * (q8 - base) / L
         base_gpu = gpu_bytes * ngl_b / L
@@ -385,12 +479,16 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         t_base = base_gpu / (gpu_bw * GB) + base_cpu / (ram_bw * GB * E_RAM)
         res = res_all * split_share
         t_res = max(res / (ram_bw * GB * E_RAM), n_params * split_share / (cores * w_core))
-        hooks = (L - kept) * 7 + 1
-        t_pcie = hooks * 2 * PCIE_LATENCY_S + (L - kept) * act_bytes * 4 * verify_rows * 2 / (pcie * GB)
+        # the callback synchronises at every hooked product: its fixed cost, then the activations'
+        # bytes (f32, to the host and back) over PCIe; drafter passes hook nothing
+        hooks = hooked_products(L, kept)
+        t_sync = hooks * overhead_us * 1e-6
+        t_pcie = t_sync + (L - kept) * act_bytes * 4 * verify_rows * 2 / (pcie * GB)
         t_draft = t_base + LAUNCH_S
         t_verify = t_base + t_res + t_pcie + LAUNCH_S
         return dict(kept=kept, gpu_bytes=gpu_bytes, base_cpu=base_cpu, res=res, t_res=t_res, t_pcie=t_pcie,
-                    t_draft=t_draft, t_verify=t_verify, tps=tokens_per_verify / (rounds * t_draft + t_verify))
+                    hooks=hooks, t_sync=t_sync, t_draft=t_draft, t_verify=t_verify,
+                    tps=tokens_per_verify / (rounds * t_draft + t_verify))
 
     # what stays in RAM: the residual and the base's layers the GPU does not hold (with --ram, a
     # placement that needs more than it is not chosen while one that fits exists)
@@ -399,7 +497,15 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
     best = max(fitting or placements, key=lambda p: p["tps"])
     kept, gpu_bytes, base_cpu, res = best["kept"], best["gpu_bytes"], best["base_cpu"], best["res"]
     t_res, t_pcie, t_draft, t_verify, tps = (best[k] for k in ("t_res", "t_pcie", "t_draft", "t_verify", "tps"))
+    hooks, t_sync = best["hooks"], best["t_sync"]
     tps_q8 = 1 / t_q8
+    # this placement (not re-chosen) at other per-product overheads: how much the projection rests on it
+    sensitivity = []
+    for us in SENSITIVITY_US:
+        o = project(kept, us)
+        sensitivity.append({"product_overhead_us": us, "hooked_products": hooks,
+                            "overhead_per_pass_ms": round(1000 * o["t_sync"], 3),
+                            "tokens_per_second": round(o["tps"], 2), "speedup": round(o["tps"] / tps_q8, 2)})
     out = {
         "model": name, "n_params": n_params, "vram_gb": vram_gb, "gpu_bandwidth_gb_s": gpu_bw, "pcie_gb_s": pcie,
         "ram_bandwidth_gb_s": round(ram_bw, 1), "ram_bandwidth_source": ram_src, "residual": residual,
@@ -414,10 +520,13 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         "bitsplit": {"base_gb": round(gpu_bytes / GB, 1), "base_gpu_layers": ngl_b, "base_cpu_gb": round(base_cpu / GB, 1),
                      "residual_ram_gb": round(res / GB, 1), "draft_pass_s": round(t_draft, 4),
                      "verify_pass_s": round(t_verify, 4), "residual_s": round(t_res, 4), "pcie_s": round(t_pcie, 4),
+                     "hooked_products": hooks, "product_overhead_s": round(t_sync, 4),
                      "rounds": rounds, "tokens_per_verify": tokens_per_verify, "tokens_per_verify_source": a_src,
                      "residual_rate_per_core": w_core, "residual_rate_source": w_src, "cores": cores,
                      "tokens_per_second": round(tps, 2)},
         "projected_speedup": round(tps / tps_q8, 2),
+        "product_overhead_us": overhead_us, "product_overhead_source": overhead_src,
+        "overhead_sensitivity": sensitivity,
         "projection": True,
     }
     ram_need = res + base_cpu
@@ -434,7 +543,9 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         f"  bitsplit: base ({base_type}) {gpu_bytes / GB:.1f} GB on the GPU ({fits}) + KV {kv_bytes / GB:.1f} GB; residual "
         f"{res / GB:.1f} GB ({residual}) in RAM",
         f"    draft pass {1000 * t_draft:.1f} ms, verify pass {1000 * t_verify:.1f} ms (residual {1000 * t_res:.1f} ms, "
-        f"PCIe {1000 * t_pcie:.1f} ms), {rounds} drafter passes per cycle, {tokens_per_verify:g} tokens/verify ({a_src})",
+        f"PCIe and sync {1000 * t_pcie:.1f} ms), {rounds} drafter passes per cycle, {tokens_per_verify:g} tokens/verify ({a_src})",
+        f"    overhead per hooked product: {overhead_us:g} us ({overhead_src}); {hooks} hooked products per verify "
+        f"pass: {1000 * t_sync:.1f} ms",
         f"    -> {tps:.2f} tokens/s, {tps / tps_q8:.2f}x stock Q8_0",
         f"  RAM: bitsplit holds {ram_need / GB:.1f} GB there (residual and base layers off the GPU), stock Q8_0 "
         f"{q8_cpu / GB:.1f} GB, besides the OS: " + ("not checked (give --ram GB)" if ram_gb is None else
@@ -585,5 +696,20 @@ def choose_plan(model: str | os.PathLike[str], *, base_type: str = "auto", resid
                      + "; bases: " + ("those with a measured acceptance profile" if base_type == "auto" and typed
                                       else "q2_k (no acceptance profile of another base given)" if base_type == "auto"
                                       else base_type) + "):\n" + "\n".join(lines)
+                     + "\n" + sensitivity_text(best)
                      + f"\n  fidelity: {FIDELITY_SOURCE}" + warn)
     return best
+
+
+def sensitivity_text(p: dict) -> str:
+    """The table of a GPU plan's ``overhead_sensitivity``: its choice at other per-product overheads."""
+    rows = [("overhead per product", "products per verify pass", "overhead per pass", "tokens/s", "vs stock Q8_0")]
+    for r in p["overhead_sensitivity"]:
+        us = r["product_overhead_us"]
+        rows.append((f"{us / 1000:g} ms" if us >= 1000 else f"{us:g} us", str(r["hooked_products"]),
+                     f"{r['overhead_per_pass_ms']:.1f} ms", f"{r['tokens_per_second']:.2f}", f"{r['speedup']:.2f}x"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["    " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    return (f"  the choice at other overheads per hooked product (this plan: {p['product_overhead_us']:g} us, "
+            f"{p['product_overhead_source']}):\n" + "\n".join(lines))
