@@ -637,9 +637,9 @@ def doctor(
     threads: Optional[int] = THREADS,
     as_json: bool = typer.Option(False, "--json", help="Print the profile as one JSON line."),
 ) -> None:
-    """The machine as bitsplit sees it: CPU and ISA, kernel family per batch size, memory bandwidth, the residual
-    product's throughput per family and batch, stock ggml's on the same bytes, llama.cpp's devices (measured once
-    per machine and native build, then cached)."""
+    """The machine as bitsplit sees it: CPU and ISA, kernel family per batch size, memory bandwidth, each family's
+    peak per core, the residual product's throughput per family and batch and its share of that peak, stock ggml's
+    on the same bytes, llama.cpp's devices (measured once per machine and native build, then cached)."""
     from .tools.machine import machine_profile
 
     from .runtime import rpc as rpc_mod
@@ -674,6 +674,12 @@ def doctor(
     print("measured     R alone, fastest here: " + by_family(p["fastest_by_batch_alone"])
           + " (--tree-nodes auto times the families on the model and pins its fastest)")
     print(f"memory       {p['memory_bandwidth_gb_s']:.1f} GB/s (threaded numpy reduction)")
+    peaks = p.get("peaks") or {}
+    for i, fam in enumerate(peaks):  # each family's multiply step timed in registers, one core
+        v = peaks[fam]
+        what = (p.get("peak_instructions") or {}).get(fam) or ""
+        print(f"{'peak/core' if i == 0 else '':<13}{fam:<17}{'-' if v is None else f'{v:7.1f}'} G weight.column "
+              f"MAC/s{f' ({what})' if what else ''}")
     for d in p["devices"]:
         mem = f", {_fmt_bytes(d['memory_total_bytes'])}" if d["memory_total_bytes"] else ""
         print(f"device       {d['name']}: {d['description']} ({d['type']}{mem})")
@@ -684,7 +690,8 @@ def doctor(
           f"{s['residual_bytes'] / 1e6:.0f} MB, base Q2_K {s['base_bytes'] / 1e6:.0f} MB ({p['size']} profile"
           f"{', cached' if p['cached'] else ''})")
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1), collapse_padding=True)
-    for col in ("product", "family", "batch", "ms/pass", "GB/s", "GB/s/core", "Gweights/s", "of mem BW", "vs ggml"):
+    for col in ("product", "family", "batch", "ms/pass", "GB/s", "GB/s/core", "Gweights/s", "of mem BW",
+                "Gw.col/s/core", "of peak", "vs ggml"):
         t.add_column(col, justify="left" if col in ("product", "family") else "right", no_wrap=True,
                      min_width=len("avx512-bf16*") if col == "family" else None)
     rows = ([("R.x", r) for r in p["residual"]] + [("(W2+R).x", r) for r in p["with_base"]]
@@ -696,14 +703,18 @@ def doctor(
         use = f"{100 * r['bandwidth_use']:.0f}%" if r["bandwidth_use"] is not None else "-"
         ratio = r.get("vs_ggml", r.get("vs_ggml_q8_0"))
         vs = f"{ratio:.2f}x" if ratio is not None else ""
+        rate = r.get("gw_cols_per_s_per_core")
+        share = r.get("peak_share")
         t.add_row(what, fam, str(r["batch"]), f"{1000 * r['seconds']:.1f}", f"{r['gb_per_s']:.2f}",
-                  f"{r['gb_per_s_per_core']:.2f}", f"{r['weights_per_s'] / 1e9:.2f}", use, vs)
+                  f"{r['gb_per_s_per_core']:.2f}", f"{r['weights_per_s'] / 1e9:.2f}", use,
+                  "" if rate is None else f"{rate:.2f}", "" if share is None else f"{100 * share:.1f}%", vs)
     # at least the table's own width: narrower, rich truncates its figures ("35.…") and labels
     con = Console()
-    Console(width=max(con.width, 110)).print(t)
-    print("* the policy's family for that batch. vs ggml: speed against stock ggml's product timed in turn, the "
-          "median of their ratio pass by pass: R.x against Q6_K on the same bytes, (W2+R).x against the same "
-          "weights as Q8_0 (a stock Q8_0 model's)")
+    Console(width=max(con.width, 132)).print(t)
+    print("* the policy's family for that batch. Gw.col/s/core: weights x columns per second and thread, in G; of "
+          "peak: its share of the family's peak/core (R.x rows). vs ggml: speed against stock ggml's product timed "
+          "in turn, the median of their ratio pass by pass: R.x against Q6_K on the same bytes, (W2+R).x against "
+          "the same weights as Q8_0 (a stock Q8_0 model's)")
     print(f"Profile: {p['path']}")
 
 

@@ -201,6 +201,13 @@ bool bitsplit_half_rate_512(void);
  * and the smallest batch it takes (ggml is faster below) */
 const char * bitsplit_draft_kernel(void);
 int bitsplit_draft_min_cols(void);
+/* the peak of a family's multiply step on the calling thread, in weight.column multiply-accumulates
+ * per second: its instructions timed in registers alone (no memory traffic) for about `seconds`
+ * (0 < seconds <= 60), the fastest of its runs (native/arch/<arch>/peak.c says which instructions
+ * and how a MAC is counted). 0 for a family of this build that this CPU cannot run (the cap
+ * BITSPLIT_MAX_ISA aside: the CPU's figure), -1 for a name no family of this build has or a bad
+ * `seconds`. Defined on x86-64 and AArch64 only. */
+double bitsplit_family_peak(const char * family, double seconds);
 
 /* pin the named family for this context's decode passes (up to 32 columns; larger passes follow
  * the policy, except in batch-invariant mode: every pass): NULL or "" unpins. BITSPLIT_E_UNSUPPORTED if this CPU cannot run it (under the cap).

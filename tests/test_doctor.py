@@ -18,7 +18,9 @@ from bitsplit_llama.native import policy
 
 KEYS = ("memory_bandwidth_gb_s", "kernel_by_batch", "residual", "cpu", "isa", "families", "max_isa", "draft_kernel",
         "threads", "ggml_reference", "devices")
-ROW_KEYS = ("family", "batch", "gb_per_s", "gb_per_s_per_core", "bandwidth_use")
+ROW_KEYS = ("family", "batch", "gb_per_s", "gb_per_s_per_core", "bandwidth_use", "gw_cols_per_s_per_core")
+#: the batches R . x is measured at for every family
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @pytest.fixture()
@@ -58,7 +60,7 @@ def check_profile(p: dict) -> None:
     alone = {str(b): policy.kernel_for_batch(b, residual_alone=True) for b in (1, 2, 4, 5, 8, 16, 32, 64)}
     assert p["kernel_by_batch_alone"] == alone
     assert p["threads"] >= 1 and positive(p["memory_bandwidth_gb_s"])
-    assert {(r["family"], r["batch"]) for r in p["residual"]} == {(f, b) for f in fams for b in (1, 4, 16, 64)}
+    assert {(r["family"], r["batch"]) for r in p["residual"]} == {(f, b) for f in fams for b in BATCHES}
     for r in p["residual"] + p["with_base"] + p["ggml_reference"] + p["ggml_q8_0"] + p["ggml_base"] + p["native_draft"]:
         for k in ROW_KEYS:
             assert k in r, (k, r)
@@ -70,7 +72,8 @@ def check_profile(p: dict) -> None:
     # the family measured fastest at each batch (the policy's pick may differ: it was tuned elsewhere)
     assert p["fastest_by_batch_alone"] == {
         str(b): max((r for r in p["residual"] if r["batch"] == b), key=lambda r: r["gb_per_s"])["family"]
-        for b in (1, 4, 16, 64)}
+        for b in BATCHES}
+    check_peaks(p)
     for r in p["residual"]:  # the policy's family (for R . x alone) is flagged as such
         assert r["policy"] == (r["family"] == p["kernel_by_batch_alone"][str(r["batch"])])
     # the verifier's pass at the small batches a chain or a small tree verifies, and at 16
@@ -99,6 +102,59 @@ def check_profile(p: dict) -> None:
     assert all(r["bytes"] == p["ggml_base"][0]["bytes"] for r in p["native_draft"])  # the same base bytes
     assert all(r["bytes"] < p["ggml_reference"][0]["bytes"] for r in p["ggml_base"])  # 2-bit, smaller than Q6_K
     assert any(d["type"] == "cpu" for d in p["devices"])
+
+
+def check_peaks(p: dict) -> None:
+    """Each family's peak (its multiply step in registers, one core) and each R . x row's rate in
+    weight.columns per second and core, consistent with the row's own time, and its share of the
+    peak. Wall-clock figures vary; units do not: a share far above 1 is a wrong unit, not a fast CPU."""
+    fams = p["families"]
+    assert set(p["peaks"]) == set(fams) and set(p["peak_instructions"]) == set(fams)
+    native_arch = p["arch"].lower() in ("x86_64", "amd64", "aarch64", "arm64")  # where peak.c is compiled
+    for f in fams:
+        if native_arch:
+            assert positive(p["peaks"][f]), (f, p["peaks"])
+            assert p["peak_instructions"][f], f
+        else:
+            assert p["peaks"][f] is None or positive(p["peaks"][f])
+    s = p["synthetic"]
+    weights = s["tensors"] * s["ne0"] * s["ne1"]
+    for r in p["residual"] + p["with_base"] + p["ggml_reference"] + p["native_draft"]:
+        rate = r["gw_cols_per_s_per_core"]  # G weights x columns / s / thread, from the row's own time
+        assert positive(rate), r
+        # "seconds" is rounded to the microsecond: up to 0.5% of a quick profile's shortest pass
+        tol = 1e-3 + 1e-6 / r["seconds"]
+        assert rate == pytest.approx(weights * r["batch"] / r["seconds"] / p["threads"] / 1e9, rel=tol, abs=2e-4), r
+        assert rate == pytest.approx(r["weights_per_s_per_core"] * r["batch"] / 1e9, rel=1e-3, abs=2e-4), r
+    for r in p["residual"]:
+        peak = p["peaks"][r["family"]]
+        assert r["peak_gw_per_s_per_core"] == peak, r
+        if peak is None:
+            assert r["peak_share"] is None, r
+            continue
+        share = r["peak_share"]
+        assert positive(share) and share < 10, r
+        assert share == pytest.approx(r["gw_cols_per_s_per_core"] / peak, rel=1e-3, abs=1e-5), r
+
+
+def test_family_peaks_from_the_library():
+    """bitsplit_family_peak: a positive finite figure for every family this CPU runs, None (from 0 or
+    -1) for an unknown name; the profile's figures are these."""
+    from bitsplit_llama.native.build import arch_dir, load
+    from bitsplit_llama.tools.measure import PEAK_INSTRUCTIONS, family_peaks
+
+    fams = policy.families()
+    assert set(fams) <= set(PEAK_INSTRUCTIONS)
+    peaks = family_peaks(fams + ["no-such-family"], seconds=0.005)
+    if arch_dir() is None:  # no peak.c for this architecture
+        pytest.skip("no peaks on this architecture")
+    assert all(positive(peaks[f]) for f in fams), peaks
+    assert peaks["no-such-family"] is None
+    ffi, lib = load()
+    assert lib.bitsplit_family_peak(b"no-such-family", 0.01) < 0
+    assert lib.bitsplit_family_peak(ffi.NULL, 0.01) < 0
+    assert lib.bitsplit_family_peak(fams[0].encode(), 0.0) < 0
+    assert lib.bitsplit_family_peak(fams[0].encode(), float("nan")) < 0
 
 
 def test_passes_are_timed_in_turn_the_order_rotating():
@@ -151,6 +207,8 @@ def test_doctor_json_cached_refreshed_and_keyed_by_isa_cap(capsys, cache):
     assert {x["family"] for x in g["residual"]} == {"generic"}
     assert set(g["kernel_by_batch"].values()) == {"generic"}
     assert all(positive(x["gb_per_s"]) for x in g["residual"])
+    assert list(g["peaks"]) == ["generic"]  # the families of the cap alone
+    check_peaks(g)
 
 
 def test_doctor_human_output(capsys, cache):
@@ -160,6 +218,8 @@ def test_doctor_human_output(capsys, cache):
         assert fam in out
     assert "memory" in out and "GB/s" in out and "ggml Q6_K" in out and "ggml Q2_K base" in out and "ggml Q8_0" in out
     assert "fastest here: batch 1" in out
+    # each family's peak per core, and the R.x rows' rate and share of it
+    assert "peak/core" in out and "G weight.column MAC/s" in out and "of peak" in out and "Gw.col/s/core" in out
     # the native drafter's rows in the table too, where this CPU drafts with it (not only in the log)
     assert ("W2.x draft" in out) == bool(policy.draft_kernel() and policy.draft_min_cols() <= 16)
 
@@ -227,12 +287,12 @@ def test_plan_takes_its_residual_rate_from_the_machine_profile(capsys, cache, mo
     p = make_plan("qwen2.5-coder-1.5b", vram_gb=24)
     fam = policy.kernel_for_batch(17, residual_alone=True)  # the plan's verify products are R . x alone
     rows = {r["batch"]: 1 / r["weights_per_s_per_core"] for r in prof["residual"] if r["family"] == fam}
-    # 17 columns: the time per weight interpolated between the measured batches 16 and 64
-    expect = 1 / (rows[16] + (17 - 16) * (rows[64] - rows[16]) / (64 - 16))
+    # 17 columns: the time per weight interpolated between the measured batches 16 and 32
+    expect = 1 / (rows[16] + (17 - 16) * (rows[32] - rows[16]) / (32 - 16))
     b = p["bitsplit"]
     assert b["residual_rate_per_core"] == pytest.approx(expect, rel=1e-12)
     assert "machine profile" in b["residual_rate_source"] and fam in b["residual_rate_source"]
-    assert "interpolated from 16 and 64" in b["residual_rate_source"]
+    assert "interpolated from 16 and 32" in b["residual_rate_source"]
     assert p["ram_bandwidth_gb_s"] == round(prof["memory_bandwidth_gb_s"], 1)
     assert p["ram_bandwidth_source"] == "measured here" and p["projection"] is True
 

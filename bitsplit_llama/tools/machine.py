@@ -3,10 +3,11 @@
 What it holds: the CPU model and the ISA flags that matter, threads, physical memory, the kernel
 families the native library runs here and which one its policy picks for each batch size (asked of
 the library: the thresholds live only in C), memory bandwidth (a threaded numpy reduction), the
-residual product's throughput per family at batch 1, 4, 16 and 64 on a synthetic split of at least
-83 MB and 4x the last-level cache (up to 1.8 GB), stock ggml's own throughput on the same bytes
-(the families and ggml timed pass by pass in turn at each batch, so that their ratio, ``vs_ggml``,
-is not skewed by drift), and the devices llama.cpp sees.
+residual product's throughput per family at batch 1, 2, 4, 8, 16, 32 and 64 on a synthetic split of
+at least 83 MB and 4x the last-level cache (up to 1.8 GB), stock ggml's own throughput on the same
+bytes (the families and ggml timed pass by pass in turn at each batch, so that their ratio,
+``vs_ggml``, is not skewed by drift), each family's peak on one core (its multiply step timed in
+registers by the native library) and each residual row's share of it, and the devices llama.cpp sees.
 
 ``bitsplit doctor`` prints it; ``bitsplit plan`` takes its residual rate per core from it. The
 profile is cached as JSON under ``<cache>/machine/``, keyed by the CPU model and flags, the native
@@ -31,13 +32,15 @@ from typing import Optional
 
 from ..formats import _ggml
 from .cpuinfo import cpu_info, physical_memory, threads_or_default
-from .measure import GGML_BASE_BATCHES, measure_ggml, measure_native_draft, measure_residual, open_ggml
+from .measure import (GGML_BASE_BATCHES, PEAK_INSTRUCTIONS, PEAK_SECONDS, family_peaks, measure_ggml,
+                      measure_native_draft, measure_residual, open_ggml, with_peak_share)
 from .synthetic import QUICK, Log, full_size, machine_dir, synthetic_split
 
-PROFILE_VERSION = 6  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
+PROFILE_VERSION = 7  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
 # 4: kernel_by_batch_alone (the policy for R . x alone); 5: R . x timed interleaved with ggml, vs_ggml;
 # ggml_q8_0 (the same weights as Q8_0) interleaved with W2 + R, vs_ggml_q8_0; 6: native_draft at batch 1
-# (the 256-bit integer families draft from 1 column)
+# (the 256-bit integer families draft from 1 column); 7: R . x at every power of two to 64, the families'
+# peaks (peaks, peak_instructions) and each row's weight.columns per second and core and share of its peak
 
 #: batch sizes the policy is asked about
 POLICY_BATCHES = (1, 2, 4, 5, 8, 16, 32, 64)
@@ -132,6 +135,10 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
     cpu = cpu_info()
     fams = policy.families()
     _say(log, f"machine profile ({size.name}): {cpu['model']}, {threads} threads, families {', '.join(fams)}")
+    # first, on a quiet machine (no pool or OpenMP worker spinning yet); shorter for --quick
+    peaks = family_peaks(fams, PEAK_SECONDS / 2.5 if quick else PEAK_SECONDS)
+    _say(log, "  peak per core (G weight.column MAC/s): "
+              + ", ".join(f"{f} {'-' if v is None else f'{v:.1f}'}" for f, v in peaks.items()))
     _say(log, "  memory bandwidth ...")
     bw = statistics.median(memory_bandwidth(threads, size.bandwidth_gib, 1) for _ in range(3))
     _say(log, f"  memory bandwidth {bw / 1e9:.1f} GB/s")
@@ -193,7 +200,9 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "memory_bandwidth_gb_s": round(bw / 1e9, 3),
         "synthetic": {"tensors": size.tensors, "ne0": size.ne0, "ne1": size.ne1, "residual_type": "q6_k",
                       "base_type": "q2_k", "residual_bytes": res_bytes, "base_bytes": base_bytes},
-        "residual": residual,
+        "peaks": peaks,
+        "peak_instructions": {f: PEAK_INSTRUCTIONS.get(f) for f in fams},
+        "residual": with_peak_share(residual, peaks),
         "with_base": with_base,
         "ggml_reference": ggml,
         "ggml_q8_0": ggml_q8,

@@ -11,6 +11,7 @@ shared machine's drift falls on each alike.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import time
@@ -22,8 +23,9 @@ import numpy as np
 from .cpuinfo import threads_or_default
 from .synthetic import Q8_0_NAME, Log, Size
 
-#: batch sizes measured for every family
-BATCHES = (1, 4, 16, 64)
+#: batch sizes measured for every family (each power of two to 64: the rate and its share of the
+#: family's peak, :func:`family_peaks`, column by column as a product becomes compute-bound)
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
 #: batch sizes of the verifier pass (W2 + R) measured with the policy's family
 WITH_BASE_BATCHES = (1, 2, 4, 16)
 #: batch sizes of the stock ggml reference
@@ -70,7 +72,59 @@ def _row(family: str, batch: int, seconds: float, nbytes: int, weights: int, thr
     return {"family": family, "batch": batch, "seconds": round(seconds, 6), "bytes": nbytes,
             "gb_per_s": round(gbs, 3), "gb_per_s_per_core": round(gbs / threads, 3),
             "weights_per_s": round(weights / seconds), "weights_per_s_per_core": round(weights / seconds / threads),
+            # weight.column products (a weight times one column's activation) per second and core, in G:
+            # what the family's peak (family_peaks) bounds
+            "gw_cols_per_s_per_core": round(weights * batch / seconds / threads / 1e9, 4),
             "bandwidth_use": round(gbs * 1e9 / bandwidth, 4) if bandwidth > 0 else None, **extra}
+
+
+#: what native/arch/<arch>/peak.c times for each family's peak, and the weight.column MACs one step
+#: counts (the C source is the reference; these label doctor's output). The 16-bit integer families
+#: count one 8-bit activation digit per MAC: R alone takes the high digit alone in every block
+#: without an outlier (all of doctor's); both digits take two steps, so half the peak is their ceiling.
+PEAK_INSTRUCTIONS = {
+    "generic": "mulps + addps xmm (SSE2), 4 MACs",
+    "avx2-f32": "vfmadd231ps ymm, 8 MACs",
+    "avx2-int16": "vpmaddubsw + vpmaddwd + vpaddd ymm, 32 MACs (one 8-bit activation digit)",
+    "avxvnni-int16": "vpmaddubsw + {vex} vpdpwssd ymm, 32 MACs (one 8-bit activation digit)",
+    "avx512vnni-int16": "vpmaddubsw + vpdpwssd ymm (EVEX), 32 MACs (one 8-bit activation digit)",
+    "vnni-int24": "vpdpbusd zmm, 64 / 3 MACs (three 8-bit activation digits)",
+    "avx512-bf16": "vdpbf16ps zmm, 32 MACs",
+    "amx-bf16": "tdpbf16ps, 8192 MACs (untested on AMX hardware)",
+    "neon-f32": "fmla .4s, 4 MACs",
+    "neon-int16": "sdot + mla .4s, 16 MACs (one 8-bit activation digit)",
+}
+#: seconds each family's peak is timed for (the fastest of runs of a fortieth of it)
+PEAK_SECONDS = 0.05
+
+
+def family_peaks(families: list[str], seconds: float = PEAK_SECONDS) -> dict[str, Optional[float]]:
+    """Each family's peak on one core: G weight.column multiply-accumulates per second of its multiply
+    step, timed in registers on this thread (``bitsplit_family_peak``, native/arch/<arch>/peak.c).
+    None where the library has no figure: a family this CPU does not run, or a build without the
+    function (an architecture without a peak.c)."""
+    from ..native.build import load
+
+    _, lib = load()
+    try:
+        peak = lib.bitsplit_family_peak
+    except AttributeError:  # cffi: declared in bitsplit.h, not in this architecture's library
+        return {f: None for f in families}
+    out: dict[str, Optional[float]] = {}
+    for f in families:
+        v = float(peak(f.encode(), float(seconds)))
+        out[f] = round(v / 1e9, 3) if math.isfinite(v) and v > 0 else None
+    return out
+
+
+def with_peak_share(rows: list[dict], peaks: dict[str, Optional[float]]) -> list[dict]:
+    """``rows`` (one family's products each), each with its family's peak and the share of it the
+    row's rate reached (``gw_cols_per_s_per_core / peak_gw_per_s_per_core``; None without a peak)."""
+    for r in rows:
+        p = peaks.get(r["family"])
+        r["peak_gw_per_s_per_core"] = p
+        r["peak_share"] = round(r["gw_cols_per_s_per_core"] / p, 5) if p else None
+    return rows
 
 
 #: how long a pass waits after a ggml pass (busy): libgomp's workers spin after ggml's graph before

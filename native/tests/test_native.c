@@ -2490,6 +2490,47 @@ static void test_cpu_feats(void) {
     vlog("  cpu_feats %#x\n", f);
 }
 
+/* bitsplit_family_peak (native/arch/<arch>/peak.c): a finite positive rate for every family this
+ * CPU runs (under the cap: the library's list), and none for an unknown name, a NULL one, another
+ * architecture's family or a bad duration; the time it takes is about the duration asked */
+static void test_family_peaks(void) {
+#if defined(__x86_64__) || defined(__aarch64__)
+    const char * names[16];
+    const int n = bitsplit_kernel_families(names, 16);
+    CHECK(n >= 1, "peaks: no family listed");
+    for (int i = 0; i < n && i < 16; i++) {
+        const double t0 = now_s();
+        const double p = bitsplit_family_peak(names[i], 0.005);
+        const double dt = now_s() - t0;
+        CHECK(isfinite(p) && p > 0.0, "peak of %s: %g (a family this CPU runs)", names[i], p);
+        /* sanitized builds run the steps several times slower: a generous bound on the time */
+        CHECK(dt < 5.0, "peak of %s took %.2f s for 0.005 s asked", names[i], dt);
+        vlog("  peak %-16s %8.2f G weight.column MAC/s (%.1f ms)\n", names[i], p / 1e9, 1e3 * dt);
+    }
+    CHECK(bitsplit_family_peak("no-such-family", 0.005) < 0.0, "peak of an unknown family");
+    CHECK(bitsplit_family_peak("", 0.005) < 0.0, "peak of an empty name");
+    CHECK(bitsplit_family_peak(NULL, 0.005) < 0.0, "peak of NULL");
+    CHECK(bitsplit_family_peak("generic", 0.0) < 0.0, "peak with 0 s");
+    CHECK(bitsplit_family_peak("generic", -1.0) < 0.0, "peak with -1 s");
+    CHECK(bitsplit_family_peak("generic", NAN) < 0.0, "peak with NaN s");
+    CHECK(bitsplit_family_peak("generic", 1e9) < 0.0, "peak with 1e9 s");
+#if defined(__x86_64__)
+    CHECK(bitsplit_family_peak("neon-f32", 0.005) < 0.0, "peak of an AArch64 family on x86-64");
+    if (!bs_cpu_has(BS_CPU_AMX_TILE | BS_CPU_AMX_BF16)) {
+        CHECK(bitsplit_family_peak("amx-bf16", 0.005) == 0.0, "peak of amx-bf16 without AMX");
+    }
+    if (!bs_cpu_has(BS_CPU_NEED_AVX512_BF16)) {
+        CHECK(bitsplit_family_peak("avx512-bf16", 0.005) == 0.0, "peak of avx512-bf16 without AVX512-BF16");
+    }
+#else
+    CHECK(bitsplit_family_peak("avx2-f32", 0.005) < 0.0, "peak of an x86 family on AArch64");
+    if (!bs_cpu_has(BS_CPU_DOTPROD)) {
+        CHECK(bitsplit_family_peak("neon-int16", 0.005) == 0.0, "peak of neon-int16 without the dot product");
+    }
+#endif
+#endif
+}
+
 static void test_k4_scales(void) {
     uint32_t st = 12345u;
     long bad = 0;
@@ -2728,6 +2769,7 @@ int main(int argc, char ** argv) {
     test_imatrix();
     test_k4_scales();
     test_cpu_feats();
+    test_family_peaks();
     test_thread_sizing(&m);
     test_valid_load(&m, quick);
     test_scratch_out_of_memory(&m);
