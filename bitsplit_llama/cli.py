@@ -131,8 +131,8 @@ _GEN_PARAMS = {
     "act_bits": ("act_bits", str, typer.Option(_GEN_DEFAULTS["act_bits"], "--act-bits", help=ACT_BITS.help)),
     "kernel": ("kernel", Optional[str], typer.Option(
         _GEN_DEFAULTS["kernel"], "--kernel",
-        help="Native kernel family of every verifier pass (default: the fastest measured by the auto tree, else "
-             "the policy's for the tree's size; 'bitsplit doctor' lists this CPU's).")),
+        help="Native kernel family of every verifier pass (default: one family per machine and model, whatever the "
+             "tree and with --no-spec, so that their outputs are the same; 'bitsplit doctor' lists this CPU's).")),
     "rpc": ("rpc", Optional[str], RPC),
     "rpc_timeout": ("rpc_timeout", float, RPC_TIMEOUT),
     "overlap": ("overlap", bool, typer.Option(
@@ -672,7 +672,7 @@ def doctor(
         print(f"             verifier activations (--act-bits auto, q6_k residual): {p['act_bits']}-bit in the "
               "16-bit integer families (8: the high digit alone where a block has no outlier)")
     print("measured     R alone, fastest here: " + by_family(p["fastest_by_batch_alone"])
-          + " (--tree-nodes auto times the families on the model and pins its fastest)")
+          + " (--tree-nodes auto times the families on the model; every generation pins one, whatever its tree)")
     print(f"memory       {p['memory_bandwidth_gb_s']:.1f} GB/s (threaded numpy reduction)")
     peaks = p.get("peaks") or {}
     for i, fam in enumerate(peaks):  # each family's multiply step timed in registers, one core

@@ -39,6 +39,23 @@ def kernel_for_batch(n_cols: int, residual_alone: bool = False) -> str:
     return _s(lib.bitsplit_kernel_for_batch(int(n_cols), bool(residual_alone)))
 
 
+# The pass size whose family a generation pins for every pass, whatever its tree and with --no-spec:
+# one verifier arithmetic per machine and model, so that speculative output is the verifier-alone
+# output token for token at any tree size (families round activations differently, so two of them
+# part on near ties). W2 + R (CPU verification): the plain step's and the chains' 2 rows, what the
+# auto tree picks on every CPU measured so far; the residual alone (the base on a device): a 16-node
+# tree's 17 rows, where verification pays by verifying many tokens at once.
+GENERATION_ROWS = 2
+GENERATION_ROWS_ALONE = 17
+
+
+def generation_family(residual_alone: bool = False) -> str:
+    """The family every pass of every generation uses here (without ``--kernel`` or
+    ``BITSPLIT_KERNEL``): the policy's for :data:`GENERATION_ROWS` (W2 + R) or
+    :data:`GENERATION_ROWS_ALONE` (``residual_alone``) columns."""
+    return kernel_for_batch(GENERATION_ROWS_ALONE if residual_alone else GENERATION_ROWS, residual_alone)
+
+
 def draft_kernel() -> str | None:
     """The family the fast drafter computes base products with here (None: ggml's kernels draft)."""
     _, lib = load()

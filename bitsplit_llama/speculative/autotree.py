@@ -4,10 +4,11 @@ Two measurements, cached per model (base fingerprint), machine (CPU model, threa
 
 - costs: the wall time of a drafter pass for 1, 2, 4 tokens and of a verifier pass for 2..25 rows
   with each kernel family this CPU runs (interpolated in between). A generation pins one family for
-  all its passes; the fastest for its pass size here is the one it pins. The built-in kernel policy's
-  thresholds were measured on a few CPUs and move from one to the next (on a Zen 5
-  ``avx512-bf16`` overtakes the 256-bit integers from 3-4 rows, on a Zen 4 from 14; the policy
-  orders a Zen 4's families by their own measurement, other CPUs' by a Xeon's);
+  all its passes, the same whatever its tree and with ``--no-spec`` (``--kernel``, else
+  ``native.policy.generation_family``), so that speculative output is the verifier-alone output:
+  that family's times price the candidates. (The others are timed for ``run --json`` and for the
+  record: on a Zen 5 ``avx512-bf16`` overtakes the 256-bit integers from 3-4 rows, on a Zen 4 from
+  14, so a larger tree pinned to ``--kernel avx512-bf16`` can pay there);
 - acceptance: over a short calibration run (greedy, built-in code and English prompts, a wide
   tree), how often the verifier's token is the drafter's best, second, third, fourth candidate.
 
@@ -32,7 +33,7 @@ import json
 import math
 import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -446,24 +447,28 @@ def choose_for(sm, tokenize: Callable[[str], list[int]], split_prof: dict | None
                log: Callable[[str], None] | None = None) -> tuple[TreeShape, dict, str | None]:
     """``--tree-nodes auto`` for the loaded split model ``sm`` (a SplitModel sized by
     :func:`room_for`): the shape, what was chosen and from what (``run --json``'s ``"auto"``), and the
-    kernel family to pin: ``kernel`` where one was asked for, else the family measured fastest here
-    at the shape's verify rows, else None (the policy's choice). Measures this machine once per model
-    and setup (cached); with a split profile its measured acceptance decides, else the rank model."""
+    kernel family to pin: ``kernel``, the family the generation pins whatever its tree (None:
+    ``BITSPLIT_KERNEL``'s, or the policy's for each size), whose measured times price every
+    candidate. Measures this machine once per model and setup (cached); with a split profile its
+    measured acceptance decides, else the rank model."""
     from ..formats.modeldir import residual_keys
 
     keys = residual_keys(sm.residual.residual_path, with_fingerprint=True)
     setup = setup_of(sm, keys["residual_fingerprint"])
     key = machine_key(sm.ctx.n_threads, setup)
     prof = None
-    # rows -> the policy's family: the cost curves price the family the run pins
-    prefer: Callable[[int], str | None] | None = None
-    if kernel is None and not kernel_pinned_by_env():
-        from ..native import policy
+    from ..native import policy
 
+    # rows -> the family the run pins: the cost curves price it
+    pinned = kernel or kernel_pinned_by_env()
+    prefer: Callable[[int], str | None] | None = None
+    if pinned is None:
         prefer = partial(policy.kernel_for_batch, residual_alone=sm.residual_alone)
     if split_prof is None or split_prof.get("machine_key") != key:
         prof = load_or_measure(Engine(sm, TreeShape(0, 1, 1)), tokenize, sm.model.is_eog, keys["base_fingerprint"],
                                sm.ctx.n_threads, log, setup)
+        if pinned is not None and pinned in prof.family_ms:  # its own times alone, whichever was faster
+            prof = replace(prof, family_ms={pinned: prof.family_ms[pinned]})
     if split_prof is not None:
         shape, best_tps, _ = choose_measured(split_prof, key, prof, prefer)
         choice = {"shape": [shape.nodes, shape.width, shape.rounds], "expected_tokens_per_second": round(best_tps, 3),
@@ -476,12 +481,6 @@ def choose_for(sm, tokenize: Callable[[str], list[int]], split_prof: dict | None
                   "rank_probs": prof.rank_probs, "from": "rank model",
                   # calibration cycles that priced chains (0: the rank model did)
                   "chain_paths": len(prof.chains) if priced_from_paths(TreeShape(1, 1, 1), prof) else 0}
-    # plain steps carry two rows; tree passes 1 + nodes: the family measured fastest at that size here
-    if prof is not None and prefer is not None:
-        rows = max(2, shape.nodes + 1)
-        kernel = prof.kernel(rows, prefer=prefer(rows))
-        if kernel not in policy.families():  # a profile of families this run cannot pin: the policy's
-            kernel = None
-        if kernel is not None:
-            choice["kernel"] = kernel
+    if kernel is not None:
+        choice["kernel"] = kernel
     return shape, choice, kernel

@@ -16,9 +16,10 @@ from typing import Callable, Iterator, Sequence
 
 from ..errors import BusyError, InvalidOptionError
 from ..formats.profile import load_profile
+from ..native import policy
 from ..runtime.verifier import SplitModel
 from . import autotree
-from .engine import Engine, Stats, TreeShape, n_seq_max_for, reserve_for
+from .engine import Engine, Stats, TreeShape, kernel_pinned_by_env, n_seq_max_for, reserve_for
 from .options import GenerationOptions
 from .sampling import SamplingParams
 
@@ -63,12 +64,13 @@ class Generator:
                              fast_drafter=None if opts.drafter == "auto" else opts.drafter == "native", rpc=opts.rpc,
                              rpc_timeout=opts.rpc_timeout, overlap=opts.overlap)
         self.auto_choice = None
-        kernel = opts.kernel
+        # one family for every pass, whatever the tree (and with --no-spec): the verifier's arithmetic
+        # is the same in every generation of this model here (BITSPLIT_KERNEL's, where set, pins it natively)
+        kernel = opts.kernel or (None if kernel_pinned_by_env() else policy.generation_family(self.sm.residual_alone))
         if auto:
             self.shape, self.auto_choice, kernel = autotree.choose_for(
                 self.sm, self.tokenize, split_prof, kernel=kernel, draft_stop=opts.draft_stop, log=log)
-        rows = max(2, self.shape.nodes + 1)  # plain steps carry two rows; tree passes 1 + nodes
-        self.kernel = self.sm.residual.choose_decode_kernel(rows, kernel, residual_alone=self.sm.residual_alone)
+        self.kernel = self.sm.residual.choose_decode_kernel(2, kernel, residual_alone=self.sm.residual_alone)
         self.engine = Engine(self.sm, self.shape, draft_stop=opts.draft_stop)
         self.model = self.sm.model
         self._lock = threading.Lock()

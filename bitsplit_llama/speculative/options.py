@@ -59,8 +59,9 @@ class GenerationOptions:
     #: the verifier's activations in the 16-bit integer kernels: "16", "8" (the high digit alone where
     #: a block has no outlier) or "auto" (8 with a q6_k residual on x86 CPUs without AVX-512, else 16)
     act_bits: str = "auto"
-    #: the native kernel family of every verifier pass (None: the auto tree's measured fastest, else
-    #: the policy's choice for the tree's size); ``bitsplit doctor`` lists the families this CPU runs
+    #: the native kernel family of every verifier pass (None: ``native.policy.generation_family``, one
+    #: family per machine and model whatever the tree and with --no-spec, so that speculative output is
+    #: the verifier-alone output); ``bitsplit doctor`` lists the families this CPU runs
     kernel: str | None = None
     #: llama.cpp RPC servers ``HOST:PORT[,...]`` holding the base's layers (the device path without a GPU)
     rpc: str | None = None

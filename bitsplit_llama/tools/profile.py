@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 from ..errors import InvalidOptionError
 from ..formats.profile import PROFILE_FORMAT, split_keys
+from ..native import policy
 
 DEFAULT_NODES = (0, 1, 2, 4, 8, 16, 32, 64)
 
@@ -61,7 +62,7 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
     try:
         toks = [sm.model.tokenize(p) for p in prompts]
         for shape in shapes:
-            kernel = sm.residual.choose_decode_kernel(max(2, shape.nodes + 1), residual_alone=sm.residual_alone)
+            kernel = sm.residual.choose_decode_kernel(2, policy.generation_family(sm.residual_alone))
             eng = Engine(sm, shape)
             st = Stats()  # the sums over prompts (a generation counts its own tokens in its own Stats)
             for i, t in enumerate(toks):
