@@ -111,7 +111,12 @@ _GEN_PARAMS = {
     "tree_nodes": ("tree_nodes", str, typer.Option(
         str(_GEN_DEFAULTS["tree_nodes"]), "--tree-nodes",
         help="Draft tree size: 'auto' (best for this machine, measured once), or a number of nodes up to 256; "
-             "0 = verifier alone.")),
+             "0 = no drafter (with --text-nodes 0 as well: the verifier alone).")),
+    "text_nodes": ("text_nodes", int, typer.Option(
+        _GEN_DEFAULTS["text_nodes"], "--text-nodes",
+        help="Draft nodes from the text itself (the continuation of an earlier occurrence of the last tokens: "
+             "prompt lookup), verified in the same pass as the tree's: at most this many, as many as their "
+             "measured acceptance makes worth a row; 0 = off.")),
     "drafter": ("drafter", str, typer.Option(
         _GEN_DEFAULTS["drafter"], "--drafter",
         help="Who computes the drafter's products: 'native' (this library's integer kernels), 'llama.cpp', or "
@@ -333,13 +338,13 @@ def run(
     if n_predict < 0:
         raise InvalidOptionError(f"-n: {n_predict} is negative")
     if no_spec:
-        opts = opts.replace(tree_nodes=0)
+        opts = opts.replace(tree_nodes=0, text_nodes=0)
     results = []
     with Generator(model_dir, opts, log=_say) as gen:
         if gen.auto_choice:
             _say(f"tree: {gen.shape.nodes} nodes (width {gen.shape.width}, {gen.shape.rounds} rounds), chosen for this "
                  f"machine: expected {gen.auto_choice['expected_tokens_per_second']} tokens/s")
-        for piece, _ in gen.stream(prompt, max_tokens=n_predict, sampling=sampling, speculative=gen.shape.nodes > 0,
+        for piece, _ in gen.stream(prompt, max_tokens=n_predict, sampling=sampling, speculative=gen.shape.speculates,
                                    on_finish=results.append):
             if not as_json:
                 sys.stdout.write(piece)
@@ -351,6 +356,7 @@ def run(
     if as_json:
         obj = res.to_json()
         obj.update({"tree_nodes": gen.shape.nodes, "tree_shape": [gen.shape.nodes, gen.shape.width, gen.shape.rounds],
+                    "text_nodes": gen.shape.text,
                     "kernel": gen.kernel, "act_bits": bits, "draft_vocab": vocab, "prompt": prompt})
         if gen.auto_choice:
             obj["auto"] = gen.auto_choice

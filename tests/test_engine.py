@@ -307,3 +307,65 @@ def test_lanes_capped_prunes_the_tree_and_keeps_the_output(tiny_split):
                 assert g.sm.ctx.seq_pos_max(lane) < eng.n_past
             else:
                 assert g.sm.ctx.seq_pos_max(lane) == -1
+
+
+# -- draft branches from the text itself (speculative/lookup.py) --------------------------------------
+# a prompt that repeats itself, so that the text offers branches from the first cycle on
+REPEATING = [PROMPTS[2] + PROMPTS[2][1:] + PROMPTS[2][1:6], PROMPTS[4] + PROMPTS[4][1:] * 2]
+
+
+@pytest.mark.parametrize("nodes,text", [(0, 16), (4, 16), (16, 32)])
+def test_text_branches_change_no_token(tiny_split, nodes, text):
+    """Branches from the text, alone or in the drafter's tree, are verified and accepted like the
+    drafter's: greedy output is the verifier's own, and some of them are taken."""
+    with Generator(tiny_split, n_ctx=512, tree_nodes=nodes, text_nodes=text) as g:
+        drafted = taken = 0
+        for p in REPEATING + PROMPTS[:3]:
+            plain = g.generate(p, max_tokens=48, speculative=False)
+            spec = g.generate(p, max_tokens=48)
+            assert spec.tokens == plain.tokens
+            st = spec.stats
+            drafted += st.n_text_drafted
+            taken += st.n_accepted_text + st.n_accepted_both
+            assert st.n_accepted_text <= st.n_accepted and st.n_text_drafted <= st.n_drafted
+            if nodes == 0:
+                assert st.n_draft_passes == 0 and st.n_accepted_text == st.n_accepted  # the text alone drafted
+        assert drafted > 0 and taken > 0
+
+
+def test_no_text_nodes_and_no_spec_draft_nothing_from_the_text(tiny_split):
+    with Generator(tiny_split, n_ctx=512, tree_nodes=4, text_nodes=0) as g:
+        assert g.shape.text == 0
+        r = g.generate(REPEATING[0], max_tokens=32)
+        assert r.stats.n_text_drafted == 0 and r.stats.n_accepted_text == r.stats.n_accepted_both == 0
+    with Generator(tiny_split, n_ctx=512, tree_nodes=0, text_nodes=16) as g:
+        assert g.shape.speculates
+        r = g.generate(REPEATING[0], max_tokens=32, speculative=False)
+        assert r.stats.n_drafted == 0 and r.stats.tokens_per_verify == pytest.approx(1.0)
+
+
+def test_sampling_with_text_branches_is_lossless(tiny_split):
+    """A tree that mixes the drafter's nodes and the text's (the prompt holds every token once, so every
+    root has an earlier occurrence): the 2nd and 3rd sampled tokens follow verifier-alone sampling
+    (chi-square, alpha=0.001)."""
+    n = 1200
+    everything = [1] + list(range(3, 336))
+    with Generator(tiny_split, n_ctx=512, tree_nodes=4, text_nodes=8) as g:
+        # every branch in, however rarely this random model repeats its text (the acceptance measured
+        # would soon leave them out)
+        g.engine.lookup.min_p = 1e-9
+        samples, text_nodes = {}, 0
+        for spec, offset in ((False, 0), (True, 10_000)):
+            c2, c3 = Counter(), Counter()
+            for i in range(n):
+                sp = SamplingParams(temperature=0.9, top_k=12, top_p=1.0, min_p=0.0, seed=offset + i)
+                r = g.generate(everything, max_tokens=4, sampling=sp, speculative=spec)
+                c2[r.tokens[1] if len(r.tokens) > 1 else -1] += 1  # (-1: the end of the text came first)
+                c3[tuple(r.tokens[1:3])] += 1
+                text_nodes += r.stats.n_text_drafted
+            samples[spec] = (c2, c3)
+    assert text_nodes > n  # the trees did carry text branches
+    for idx in (0, 1):
+        stat, df = _two_sample_chi2(samples[False][idx], samples[True][idx])
+        assert df >= 3, "the test needs several outcomes to mean anything"
+        assert stat < _chi2_critical(df, 0.001), (idx, stat, df)

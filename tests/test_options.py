@@ -16,12 +16,12 @@ from bitsplit_llama.speculative.options import UnknownOptionError
 # a value of every option other than its default, valid on any CPU (the kernel family is checked
 # against this CPU's only when a model loads)
 CHANGED = {
-    "n_ctx": 300, "n_batch": 256, "n_threads": 1, "n_gpu_layers": 0, "tree_nodes": 4, "drafter": "llama.cpp", "draft_stop": 0.25,
+    "n_ctx": 300, "n_batch": 256, "n_threads": 1, "n_gpu_layers": 0, "tree_nodes": 4, "text_nodes": 5, "drafter": "llama.cpp", "draft_stop": 0.25,
     "draft_vocab": "all", "precision": "f32", "act_bits": "16", "kernel": "generic", "rpc": None, "rpc_timeout": 30.0,
     "overlap": False, "verbose": False,
 }
 # the same on the command line (rpc and verbose left out: no server here, and the log is noise)
-CHANGED_ARGS = ["--n-ctx", "300", "--n-batch", "256", "-t", "1", "-ngl", "0", "--tree-nodes", "4", "--drafter", "llama.cpp",
+CHANGED_ARGS = ["--n-ctx", "300", "--n-batch", "256", "-t", "1", "-ngl", "0", "--tree-nodes", "4", "--text-nodes", "5", "--drafter", "llama.cpp",
                 "--draft-stop", "0.25", "--draft-vocab", "all", "--precision", "f32", "--act-bits", "16",
                 "--kernel", "generic", "--rpc-timeout", "30", "--no-overlap"]
 SAMPLING_ARGS = ["--temp", "0.5", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.1", "--seed", "3"]
@@ -53,6 +53,9 @@ def test_defaults_and_normalisation():
     ("n_gpu_layers", -1, "--n-gpu-layers: -1 is negative"),
     ("tree_nodes", "many", "--tree-nodes: 'many' is neither 'auto'"),
     ("tree_nodes", 999, "--tree-nodes: 999 is more than 256"),
+    ("text_nodes", -1, "--text-nodes: -1 is negative"),
+    ("text_nodes", 300, "--text-nodes: 300 is more than 256"),
+    ("text_nodes", "x", "--text-nodes: 'x' is not an integer"),
     ("drafter", "gpu", "--drafter: 'gpu' is not one of auto, native, llama.cpp"),
     ("draft_stop", "often", "--draft-stop: 'often'"),
     ("draft_vocab", "-3", "--draft-vocab: '-3' unknown"),

@@ -32,8 +32,9 @@ import numpy as np
 
 from ..errors import ContextLimitError, InvalidOptionError
 from ..runtime.llamacpp import Context
+from .lookup import Branch, TextLookup
 from .sampling import SamplingParams, draft_candidates, draw
-from .tree import ROOT, DraftTree, TreeBuilder, accept
+from .tree import DRAFTER, ROOT, TEXT, DraftTree, TreeBuilder, accept
 
 CANDIDATES_PER_NODE = 4
 # llama.cpp's limit on sequence ids (LLAMA_MAX_SEQ): sequence 0, the junk and dummy sequences, and
@@ -53,11 +54,14 @@ def kernel_pinned_by_env() -> str | None:
 @dataclass
 class TreeShape:
     """How the draft tree grows: ``nodes`` verified per cycle, ``width`` nodes added per drafter
-    round, at most ``rounds`` drafter rounds (the depth) after decoding the root."""
+    round, at most ``rounds`` drafter rounds (the depth) after decoding the root; and at most
+    ``text`` nodes more from the text itself (prompt lookup, :mod:`.lookup`), verified in the same
+    pass."""
 
     nodes: int = 16
     width: int = 4
     rounds: int = 6
+    text: int = 0
 
     @classmethod
     def for_nodes(cls, nodes: int) -> "TreeShape":
@@ -82,11 +86,16 @@ class TreeShape:
         return cls(nodes, width, min(MAX_TREE_DEPTH, -(-3 * nodes // (2 * width))))
 
     def validate(self) -> None:
-        if self.nodes < 0 or self.width < 1 or self.rounds < 1:
-            raise InvalidOptionError(f"tree shape {self} is invalid (nodes >= 0, width >= 1, rounds >= 1)")
-        if self.nodes > MAX_TREE_NODES or self.rounds > MAX_TREE_DEPTH:
-            raise InvalidOptionError(f"tree shape {self} is too large (at most {MAX_TREE_NODES} nodes and "
-                                     f"{MAX_TREE_DEPTH} rounds)")
+        if self.nodes < 0 or self.width < 1 or self.rounds < 1 or self.text < 0:
+            raise InvalidOptionError(f"tree shape {self} is invalid (nodes >= 0, width >= 1, rounds >= 1, text >= 0)")
+        if self.nodes + self.text > MAX_TREE_NODES or self.rounds > MAX_TREE_DEPTH:
+            raise InvalidOptionError(f"tree shape {self} is too large (at most {MAX_TREE_NODES} nodes, the text's "
+                                     f"included, and {MAX_TREE_DEPTH} rounds)")
+
+    @property
+    def speculates(self) -> bool:
+        """Whether a cycle drafts anything: drafter nodes or text nodes."""
+        return self.nodes > 0 or self.text > 0
 
 
 @dataclass
@@ -97,6 +106,9 @@ class Stats:
     n_draft_passes: int = 0
     n_drafted: int = 0           # tree nodes verified
     n_accepted: int = 0          # drafted nodes accepted
+    n_text_drafted: int = 0      # of the nodes verified, those the text alone proposed (not the drafter)
+    n_accepted_text: int = 0     # of the nodes accepted, those the text alone proposed
+    n_accepted_both: int = 0     # ... those the drafter and the text both proposed
     prompt_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -124,6 +136,8 @@ class Stats:
             "accepted_per_verify": round(self.tokens_per_verify, 4),
             "tokens_per_second": round(self.tokens_per_second, 3), "n_draft_passes": self.n_draft_passes,
             "n_drafted": self.n_drafted, "n_accepted": self.n_accepted,
+            "n_text_drafted": self.n_text_drafted, "n_accepted_text": self.n_accepted_text,
+            "n_accepted_both": self.n_accepted_both,
             "prompt_seconds": round(self.prompt_seconds, 4), "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4), "residual_seconds": round(self.residual_seconds, 4),
             "residual_bytes": self.residual_bytes, "draft_decode_seconds": round(self.draft_decode_seconds, 4),
@@ -235,11 +249,13 @@ class Engine:
         self.drafter = drafter
         need = n_seq_max_for(self.shape)  # lanes, sequence 0, the junk and the dummy sequences
         for c in {id(self.ctx): self.ctx, id(drafter.ctx): drafter.ctx}.values():
-            if self.shape.nodes > 0 and c.n_seq_max < need:
+            if self.shape.speculates and c.n_seq_max < need:
                 raise InvalidOptionError(
                     f"the context was made with n_seq_max={c.n_seq_max}; a tree of {self.shape.nodes} nodes needs {need}")
         self.n_past = 0
         self.tokens: list[int] = []     # tokens in the verifier's KV, positions 0..n_past-1
+        # the n-gram index of those tokens, for draft branches from the text (kept in step with them)
+        self.lookup = TextLookup()
         # when a list, counts of the verifier's token rank among the drafter's candidates at each
         # verified node (index CANDIDATES_PER_NODE: not among them): the acceptance profile
         self.rank_counts: list[int] | None = None
@@ -286,6 +302,7 @@ class Engine:
                            logits=[False] * (len(part) - 1) + [last])
                 self.n_past += len(part)
                 self.tokens.extend(part)
+                self.lookup.extend(part)
             return ctx.logits_ith(len(part) - 1).copy() if last_logits else None
 
     # -- KV state ---------------------------------------------------------------------------------
@@ -294,6 +311,7 @@ class Engine:
         self._n_junk = 0
         self.n_past = 0
         self.tokens = []
+        self.lookup.reset()
         self.drafter.reset()
 
     def _truncate(self, n: int) -> None:
@@ -302,6 +320,7 @@ class Engine:
             self.ctx.seq_rm(0, n, -1)
             self.n_past = n
             del self.tokens[n:]
+            self.lookup.truncate(n)
         self.drafter.truncate(n)
 
     # -- prompt -----------------------------------------------------------------------------------
@@ -376,7 +395,7 @@ class Engine:
         on exit. Measurements made through it need nothing of this engine's context: not its size,
         not its cache (left as it is)."""
         n_seq = n_seq_max_for(shape)
-        with self.sm.own_context(n_ctx=n_ctx, n_batch=max(n_batch, shape.nodes + 1, n_seq), n_seq_max=n_seq,
+        with self.sm.own_context(n_ctx=n_ctx, n_batch=max(n_batch, shape.nodes + shape.text + 1, n_seq), n_seq_max=n_seq,
                                  reserve=reserve_for(shape)) as view:
             yield Engine(view, shape)
 
@@ -400,9 +419,49 @@ class Engine:
         return calib.rank_counts
 
     # -- drafting ---------------------------------------------------------------------------------
-    def _draft(self, id_last: int, sp: SamplingParams, nodes: int, stats: Stats, depth: int | None = None) -> DraftTree:
-        """A draft tree under ``id_last`` with up to ``nodes`` nodes, at most ``depth`` deep (default:
-        the shape's rounds); the draft KV is rolled back."""
+    def _draft(self, id_last: int, sp: SamplingParams, nodes: int, stats: Stats,
+               depth: int | None = None) -> tuple[DraftTree, list[Branch]]:
+        """A draft tree under ``id_last``: up to ``nodes`` nodes from the drafter, at most ``depth``
+        deep (default: the shape's rounds; the draft KV is rolled back), and up to the shape's
+        ``text`` nodes more from the text's own continuations (at most ``depth`` deep), with those
+        branches (their acceptance is recorded after the verify pass). Text branches hang under the
+        root and under each node of the drafter's most probable chain (where the drafter wrote what
+        the text did not say, as a renamed variable, and the text goes on after it); the likeliest
+        first, by path probability, until the text's budget is spent."""
+        tree = self._draft_model(id_last, sp, nodes, stats, depth) if nodes > 0 else DraftTree(id_last)
+        branches: list[Branch] = []
+        if self.shape.text > 0:
+            limit = self.shape.text if depth is None else min(self.shape.text, depth)
+            offers = [(ROOT, 0.0, b) for b in self.lookup.branches(id_last, limit)]
+            path: list[int] = []
+            for node in self._main_chain(tree):
+                nd = tree.nodes[node]
+                path.append(nd.token)
+                if nd.depth < limit:
+                    offers += [(node, nd.logp, b) for b in self.lookup.branches(id_last, limit - nd.depth, path)[:1]]
+            budget = self.shape.text
+            for under, base, b in sorted(offers, key=lambda o: -(o[1] + o[2].logps[0])):
+                if budget <= 0:
+                    break
+                budget -= tree.graft(b.tokens, [base + lp for lp in b.logps], TEXT, budget, under)
+                branches.append(b)
+        return tree.dfs(), branches
+
+    @staticmethod
+    def _main_chain(tree: DraftTree) -> list[int]:
+        """The drafter's most probable chain in ``tree``: from the root, the likeliest child each time."""
+        out: list[int] = []
+        kids = tree.root_children
+        while kids:
+            best = max(kids, key=lambda c: (tree.nodes[c].logp, -c))
+            out.append(best)
+            kids = tree.nodes[best].children
+        return out
+
+    def _draft_model(self, id_last: int, sp: SamplingParams, nodes: int, stats: Stats,
+                     depth: int | None = None) -> DraftTree:
+        """The drafter's tree under ``id_last`` with up to ``nodes`` nodes, at most ``depth`` deep
+        (default: the shape's rounds); the draft KV is rolled back."""
         shape = self.shape
         rounds = shape.rounds if depth is None else max(1, min(shape.rounds, depth))
         builder = TreeBuilder(id_last, shape.width, max(nodes, 0) + shape.width * 2)
@@ -459,7 +518,7 @@ class Engine:
             for lane in range(1, next_lane):
                 ctx.seq_rm(lane, -1, -1)
         stats.draft_seconds += time.perf_counter() - t0
-        return builder.tree.best(nodes).dfs()
+        return builder.tree.best(nodes)
 
     def stop_mass(self) -> float:
         """The path probability below which a drafter round is not worth its cost (0: never stop
@@ -528,10 +587,14 @@ class Engine:
         for lane in lane_of.values():
             self.ctx.seq_rm(lane, -1, -1)
         self.tokens.extend(tokens[0:1] + [tree.nodes[i].token for i in accepted])
+        self.lookup.extend(tokens[0:1] + [tree.nodes[i].token for i in accepted])
         self.n_past += len(kept)
         stats.n_verify += 1
         stats.n_drafted += len(tree)
         stats.n_accepted += len(accepted)
+        stats.n_text_drafted += sum(1 for nd in tree.nodes if nd.source == TEXT)
+        stats.n_accepted_text += sum(1 for i in accepted if tree.nodes[i].source == TEXT)
+        stats.n_accepted_both += sum(1 for i in accepted if tree.nodes[i].source == DRAFTER | TEXT)
         stats.accept_hist.append(len(accepted))
         stats.verify_seconds += time.perf_counter() - t0
         return emitted
@@ -564,6 +627,7 @@ class Engine:
         self.ctx.seq_rm(dummy, -1, -1)
         self._count_residual(c0, stats)
         self.tokens.append(id_last)
+        self.lookup.extend([id_last])
         self.n_past += 1
         stats.n_verify += 1
         stats.accept_hist.append(0)
@@ -595,7 +659,7 @@ class Engine:
             if is_stop is not None and is_stop(id_last):
                 return
             n_ctx = self.ctx.n_ctx
-            spec = speculative and self.shape.nodes > 0
+            spec = speculative and self.shape.speculates
             # cells one cycle takes beyond the cached text: the drafted lanes or the verified rows (a
             # plain step: its token and the dummy row); the context reserves them beyond n_ctx
             n_cycle = cycle_cells(self.shape) if spec else 2
@@ -608,11 +672,14 @@ class Engine:
                 # what is left (positions, tokens to emit) limits the tree's depth, not its size: a
                 # tree emits at most its depth + 1 tokens, and its nodes take reserved cells
                 depth = min(room, max_tokens - stats.n_emitted - 1) if spec else 0
-                nodes = self.shape.nodes if depth > 0 else 0
-                if nodes > 0:
+                tree = None
+                if depth > 0:
                     tc, dd, dp = time.perf_counter(), stats.draft_decode_seconds, stats.n_draft_passes
-                    tree = self._draft(id_last, sp, nodes, stats, depth)
+                    tree, branches = self._draft(id_last, sp, self.shape.nodes, stats, depth)
+                if tree:  # (a tree of the text alone may be empty: a plain step then)
                     emitted = self._verify(tree, sp, rng, stats)
+                    for b in branches:
+                        self.lookup.record(b, emitted)
                     self._measure_cycle(time.perf_counter() - tc, len(emitted), stats.draft_decode_seconds - dd,
                                         stats.n_draft_passes - dp)
                 else:
@@ -681,8 +748,8 @@ def parse_draft_stop(value: str | float | None) -> str | float | None:
 
 def cycle_cells(shape: TreeShape) -> int:
     """KV cells one cycle of this shape may take beyond the cached text: the drafted nodes (and the
-    root) or the verified rows."""
-    return max(shape.nodes + 1, shape.width * shape.rounds + 1)
+    root) or the verified rows (the text's nodes included)."""
+    return max(shape.nodes + shape.text + 1, shape.width * shape.rounds + 1)
 
 
 def max_lanes(shape: TreeShape) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 from ..errors import BusyError, InvalidOptionError
@@ -53,11 +53,16 @@ class Generator:
         opts = GenerationOptions.of(options, **overrides)  # every value checked before the model loads
         self.options = opts
         auto = shape is None and opts.tree_nodes == "auto"
-        self.shape = shape or (TreeShape(0, 1, 1) if auto else TreeShape.for_nodes(opts.tree_nodes))
+        text = opts.text_nodes
+        if shape is None:  # (a shape given keeps its own text budget)
+            shape = TreeShape(0, 1, 1, text) if auto else replace(TreeShape.for_nodes(opts.tree_nodes), text=text)
+        self.shape = shape
         self.shape.validate()
         split_prof = load_profile(model_dir) if auto else None  # the split's own (bitsplit profile), if any
-        room = autotree.room_for(split_prof) if auto else self.shape  # the largest the choice may use
-        self.sm = SplitModel(model_dir, n_ctx=opts.n_ctx, n_batch=max(opts.n_batch, room.nodes + 8),
+        # the largest the choice may use
+        room = replace(autotree.room_for(split_prof), text=text) if auto else self.shape
+        room.validate()
+        self.sm = SplitModel(model_dir, n_ctx=opts.n_ctx, n_batch=max(opts.n_batch, room.nodes + room.text + 8),
                              n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=opts.n_threads,
                              n_gpu_layers=opts.n_gpu_layers, precision=opts.precision, act_bits=opts.act_bits,
                              draft_vocab=opts.draft_vocab, verbose=opts.verbose,
@@ -70,6 +75,7 @@ class Generator:
         if auto:
             self.shape, self.auto_choice, kernel = autotree.choose_for(
                 self.sm, self.tokenize, split_prof, kernel=kernel, draft_stop=opts.draft_stop, log=log)
+            self.shape = replace(self.shape, text=text)
         self.kernel = self.sm.residual.choose_decode_kernel(2, kernel, residual_alone=self.sm.residual_alone)
         self.engine = Engine(self.sm, self.shape, draft_stop=opts.draft_stop)
         self.model = self.sm.model

@@ -41,8 +41,12 @@ class GenerationOptions:
     #: the base's layers on the GPU or the ``rpc`` servers (None: 0, or all with ``rpc``)
     n_gpu_layers: int | None = None
     #: draft tree size: "auto" (the fastest on this machine, measured once and cached), or a number
-    #: of nodes up to 256; 0 decodes with the verifier alone
+    #: of nodes up to 256; 0: no drafter (with ``text_nodes=0`` too, the verifier alone)
     tree_nodes: int | str = "auto"
+    #: draft nodes from the text itself (the continuation of an earlier occurrence of the last tokens:
+    #: prompt lookup) verified beside the tree's, at most this many per pass (as many as their measured
+    #: acceptance makes worth a row); 0: off
+    text_nodes: int = 32
     #: who computes the drafter's products: "native" (this library's integer kernels), "llama.cpp",
     #: or "auto" (native on CPU-only runs)
     drafter: str = "auto"
@@ -81,6 +85,15 @@ class GenerationOptions:
         if self.n_gpu_layers is not None:
             set_("n_gpu_layers", _int("--n-gpu-layers", self.n_gpu_layers, 0, "is negative"))
         set_("tree_nodes", parse_tree_nodes(self.tree_nodes))
+        from .engine import MAX_TREE_NODES
+
+        set_("text_nodes", _int("--text-nodes", self.text_nodes, 0, "is negative"))
+        if self.text_nodes > MAX_TREE_NODES:
+            raise InvalidOptionError(f"--text-nodes: {self.text_nodes} is more than {MAX_TREE_NODES}, the most nodes "
+                                     "one verify pass takes")
+        if isinstance(self.tree_nodes, int) and self.tree_nodes + self.text_nodes > MAX_TREE_NODES:
+            raise InvalidOptionError(f"--tree-nodes {self.tree_nodes} with --text-nodes {self.text_nodes}: more than "
+                                     f"{MAX_TREE_NODES} nodes, the most one verify pass takes")
         if self.drafter not in DRAFTERS:
             raise InvalidOptionError(f"--drafter: {self.drafter!r} is not one of {', '.join(DRAFTERS)}")
         from .engine import parse_draft_stop

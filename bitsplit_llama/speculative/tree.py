@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 ROOT = -1
+# where a node came from (bits of Node.source): the drafter, the text itself (a continuation of an
+# earlier occurrence of the last tokens: speculative/lookup.py), or both
+DRAFTER = 1
+TEXT = 2
 
 
 @dataclass
@@ -31,6 +35,7 @@ class Node:
     depth: int           # 1 for children of the root
     logp: float          # cumulative draft log-probability from the root
     children: list[int] = field(default_factory=list)
+    source: int = DRAFTER  # DRAFTER, TEXT or both (bits)
 
 
 class DraftTree:
@@ -48,14 +53,14 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def add(self, token: int, parent: int, logp: float) -> int:
+    def add(self, token: int, parent: int, logp: float, source: int = DRAFTER) -> int:
         if parent != ROOT and not 0 <= parent < len(self.nodes):
             raise IndexError(f"parent {parent} not in the tree")
         depth = 1 if parent == ROOT else self.nodes[parent].depth + 1
         siblings = self.root_children if parent == ROOT else self.nodes[parent].children
         if any(self.nodes[s].token == token for s in siblings):
             raise ValueError(f"token {token} is already a child of node {parent}")
-        self.nodes.append(Node(token, parent, depth, logp))
+        self.nodes.append(Node(token, parent, depth, logp, source=source))
         i = len(self.nodes) - 1
         siblings.append(i)
         return i
@@ -98,9 +103,32 @@ class DraftTree:
             n = self.nodes[i]
             if n.parent not in remap:
                 continue  # cannot happen with non-increasing logp; defensive for hand-made trees
-            remap[i] = out.add(n.token, remap[n.parent], n.logp)
+            remap[i] = out.add(n.token, remap[n.parent], n.logp, n.source)
         self._carry_drafter_info(out, remap)
         return out
+
+    def graft(self, tokens: Sequence[int], logps: Sequence[float], source: int, max_new: int,
+              under: int = ROOT) -> int:
+        """Hang the chain ``tokens`` under node ``under`` (the root by default), token ``i`` with
+        cumulative log-probability ``logps[i]`` (non-increasing, at most ``under``'s): where a node
+        already carries the chain's token it is shared (its log-probability the larger of the two,
+        ``source`` added to its sources), otherwise a node is added, at most ``max_new`` of them (the
+        chain ends there). Returns the nodes added. Log-probabilities stay non-increasing from parent
+        to child, as :meth:`best` needs."""
+        cur, added = under, 0
+        for tok, lp in zip(tokens, logps):
+            nxt = self.child_with(cur, int(tok))
+            if nxt is None:
+                if added >= max_new:
+                    break
+                nxt = self.add(int(tok), cur, float(lp), source)
+                added += 1
+            else:
+                node = self.nodes[nxt]
+                node.logp = max(node.logp, float(lp))
+                node.source |= source
+            cur = nxt
+        return added
 
     def top_chain(self) -> list[tuple[int, float]]:
         """The chain a drafter of width 1 would have drafted under this tree's root: from the root, the
@@ -129,7 +157,7 @@ class DraftTree:
 
         def visit(i: int, parent: int) -> None:
             n = self.nodes[i]
-            j = remap[i] = out.add(n.token, parent, n.logp)
+            j = remap[i] = out.add(n.token, parent, n.logp, n.source)
             for c in sorted(n.children, key=lambda c: (-self.nodes[c].logp, c)):
                 visit(c, j)
 

@@ -239,7 +239,7 @@ def run_demo(model: str = "smollm2-135m", *, out: str | os.PathLike[str] | None 
         say(f"speculative: a tree of {shape[0]} node(s) (width {shape[1]}, {shape[2]} round(s)"
             f"{', chosen for this machine' if gen.auto_choice else ''})")
         d0 = gen.sm.residual.counters().n_draft_products  # the tree's calibration drafted too
-        spec = _bitsplit_run(gen, toks, n_predict, gen.shape.nodes > 0, on_piece)
+        spec = _bitsplit_run(gen, toks, n_predict, gen.shape.speculates, on_piece)
         n_draft = gen.sm.residual.counters().n_draft_products - d0
         if on_piece is not None:
             on_piece("\n")
