@@ -353,7 +353,7 @@ def test_sampling_with_text_branches_is_lossless(tiny_split):
     with Generator(tiny_split, n_ctx=512, tree_nodes=4, text_nodes=8) as g:
         # every branch in, however rarely this random model repeats its text (the acceptance measured
         # would soon leave them out)
-        g.engine.lookup.min_p = 1e-9
+        g.engine.text_min_p = lambda: 1e-9
         samples, text_nodes = {}, 0
         for spec, offset in ((False, 0), (True, 10_000)):
             c2, c3 = Counter(), Counter()
@@ -369,3 +369,30 @@ def test_sampling_with_text_branches_is_lossless(tiny_split):
         stat, df = _two_sample_chi2(samples[False][idx], samples[True][idx])
         assert df >= 3, "the test needs several outcomes to mean anything"
         assert stat < _chi2_critical(df, 0.001), (idx, stat, df)
+
+
+def test_a_text_row_is_priced_from_the_measured_passes(tiny_split):
+    """The path probability a text token needs is the measured cost of one more verify row over the
+    measured cost of an emitted token, kept within TEXT_MIN_P_RANGE; TEXT_MIN_P until both are known."""
+    from bitsplit_llama.speculative.engine import ROW_COST_MIN_PASSES, TEXT_MIN_P, TEXT_MIN_P_RANGE
+
+    with Generator(tiny_split, n_ctx=256, tree_nodes=4, text_nodes=8) as g:
+        e = g.engine
+        e._pass_times.clear()
+        e._token_s = None
+        assert e.row_seconds() is None and e.text_min_p() == TEXT_MIN_P
+        for i in range(ROW_COST_MIN_PASSES):
+            e._pass_times.append((2 + i, 0.010 + 0.002 * i))  # 2 ms a row
+        assert e.row_seconds() == pytest.approx(0.002)
+        assert e.text_min_p() == TEXT_MIN_P  # no token cost measured yet
+        e._token_s = 0.008
+        assert e.text_min_p() == pytest.approx(0.25)
+        e._token_s = 0.001
+        assert e.text_min_p() == TEXT_MIN_P_RANGE[1]
+        e._token_s = 1.0
+        assert e.text_min_p() == TEXT_MIN_P_RANGE[0]
+        e._pass_times.clear()
+        e._pass_times.extend([(5, 0.01)] * ROW_COST_MIN_PASSES)  # one size only: no slope
+        assert e.row_seconds() is None
+        r = g.generate(REPEATING[0], max_tokens=40)  # a real generation measures its own
+        assert len(e._pass_times) >= 1 and r.stats.n_verify > 1

@@ -21,6 +21,7 @@ Contract: each cycle emits at least one token, every one a draw from the verifie
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -43,6 +44,12 @@ MAX_SEQ = 256
 MAX_LANES = MAX_SEQ - 3
 MAX_TREE_NODES = 256  # nodes verified in one pass (the root's row comes on top)
 MAX_TREE_DEPTH = 32   # drafter rounds
+# Text branches (lookup.py): the path probability a token needs before rows are priced, and the
+# range the priced one is kept in; the verify passes the price of a row is fitted over
+TEXT_MIN_P = 0.3
+TEXT_MIN_P_RANGE = (0.05, 0.9)
+ROW_COST_PASSES = 48
+ROW_COST_MIN_PASSES = 8
 
 
 def kernel_pinned_by_env() -> str | None:
@@ -241,6 +248,8 @@ class Engine:
         # them): seconds per drafter round, seconds per emitted token
         self._round_s: float | None = None
         self._token_s: float | None = None
+        # (rows, seconds) of the last verify passes: what one more row costs (text_min_p)
+        self._pass_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=ROW_COST_PASSES)
         self.ctx: Context = sm.ctx
         self.shape = shape or TreeShape.for_nodes(16)
         self.shape.validate()
@@ -431,6 +440,7 @@ class Engine:
         tree = self._draft_model(id_last, sp, nodes, stats, depth) if nodes > 0 else DraftTree(id_last)
         branches: list[Branch] = []
         if self.shape.text > 0:
+            self.lookup.min_p = self.text_min_p()
             limit = self.shape.text if depth is None else min(self.shape.text, depth)
             offers = [(ROOT, 0.0, b) for b in self.lookup.branches(id_last, limit)]
             path: list[int] = []
@@ -533,13 +543,40 @@ class Engine:
         return self._round_s / self._token_s
 
     def _measure_cycle(self, seconds: float, n_emitted: int, draft_s: float, n_passes: int) -> None:
-        """Fold one speculative cycle's costs into the averages draft_stop "auto" reads."""
-        if n_emitted < 1 or n_passes < 1:
+        """Fold one speculative cycle's costs into the averages draft_stop "auto" and the text
+        branches' row price read."""
+        if n_emitted < 1:
             return
         a = 0.3
-        tok, rnd = seconds / n_emitted, draft_s / n_passes
+        tok = seconds / n_emitted
         self._token_s = tok if self._token_s is None else (1 - a) * self._token_s + a * tok
-        self._round_s = rnd if self._round_s is None else (1 - a) * self._round_s + a * rnd
+        if n_passes >= 1:
+            rnd = draft_s / n_passes
+            self._round_s = rnd if self._round_s is None else (1 - a) * self._round_s + a * rnd
+
+    def row_seconds(self) -> float | None:
+        """What one more row costs a verify pass here: the slope of the last passes' times over
+        their rows (least squares), once they had different sizes; None before."""
+        if len(self._pass_times) < ROW_COST_MIN_PASSES:
+            return None
+        rows = np.array([r for r, _ in self._pass_times], dtype=np.float64)
+        secs = np.array([s for _, s in self._pass_times], dtype=np.float64)
+        var = float(((rows - rows.mean()) ** 2).sum())
+        if var < 1.0:
+            return None
+        return max(float(((rows - rows.mean()) * (secs - secs.mean())).sum()) / var, 0.0)
+
+    def text_min_p(self) -> float:
+        """The path probability a text branch's token needs to be verified: a row is worth adding
+        when the tokens it is expected to give (its path probability) cost more than the row, i.e.
+        from the measured seconds per row over the seconds per emitted token; TEXT_MIN_P until
+        measured, within TEXT_MIN_P_RANGE (a GPU's rows are nearly free, a CPU's integer kernels
+        pay for each)."""
+        row = self.row_seconds()
+        if row is None or not self._token_s:
+            return TEXT_MIN_P
+        lo, hi = TEXT_MIN_P_RANGE
+        return min(max(row / self._token_s, lo), hi)
 
     # -- one cycle --------------------------------------------------------------------------------
     def _verify(self, tree: DraftTree, sp: SamplingParams, rng, stats: Stats) -> list[int]:
@@ -561,7 +598,9 @@ class Engine:
         with self.sm.verifying() as ctx:
             td = time.perf_counter()
             ctx.decode(tokens, [self.n_past + d for d in depths], seq_ids=row_lanes)
-            stats.verify_decode_seconds += time.perf_counter() - td
+            td = time.perf_counter() - td
+            stats.verify_decode_seconds += td
+            self._pass_times.append((rows, td))
             accepted, bonus, emitted = accept(tree, lambda row: self._draw_row(tree, ctx, row, sp, rng))
         self._count_residual(c0, stats)
         if self.rank_counts is not None:
