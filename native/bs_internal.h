@@ -241,6 +241,18 @@ static inline float bs_iq1m_scale(float d, const uint8_t * b, int g, int h) {
 bool bs_type_readable(enum ggml_type type);
 uint64_t bs_now_ns(void);
 
+/* One kernel family's multiply step, as its peak is timed (native/peak.c, bitsplit_family_peak):
+ * run(n) does n iterations of macs weight.column multiply-accumulates in registers alone, where
+ * runs() says this CPU has the instructions */
+typedef struct {
+    const char * family;
+    bool (*runs)(void);
+    void (*run)(int64_t n);
+    double macs;
+} bs_peak_step;
+/* this architecture's steps, *n of them (arch/<arch>/peak.c: x86-64 and AArch64 only) */
+const bs_peak_step * bs_peak_steps(size_t * n);
+
 /* ---------------------------------------------------------------------------------------------
  * the library's state and the helpers its files share
  * ------------------------------------------------------------------------------------------- */

@@ -2490,8 +2490,8 @@ static void test_cpu_feats(void) {
     vlog("  cpu_feats %#x\n", f);
 }
 
-/* bitsplit_family_peak (native/arch/<arch>/peak.c): a finite positive rate for every family this
- * CPU runs (under the cap: the library's list), and none for an unknown name, a NULL one, another
+/* bitsplit_family_peak (native/peak.c; the steps in native/arch/<arch>/peak.c): a finite positive
+ * rate for every family this CPU runs (under the cap: the library's list), and none for an unknown name, a NULL one, another
  * architecture's family or a bad duration; the time it takes is about the duration asked */
 static void test_family_peaks(void) {
 #if defined(__x86_64__) || defined(__aarch64__)

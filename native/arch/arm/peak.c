@@ -10,7 +10,8 @@
  *               activation digit) + mla by the scale       see x86's peak.c; 2 digits take two)
  *
  * Written for AArch64 and cross-built (native/tests/cross_build.sh); not timed on ARM hardware.
- * Calls cpu_feats.c and util.c's clock: level 2 of native/README.md's order, beside the families.
+ * Calls cpu_feats.c: level 2 of native/README.md's order, beside the families; native/peak.c times
+ * the steps (bs_peak_steps) for bitsplit_family_peak.
  */
 #if defined(__aarch64__)
 
@@ -89,52 +90,16 @@ TGT_DOT static void run_sdot(int64_t n) {
 static bool always(void) { return true; }
 static bool has_dot(void) { return bs_cpu_has(BS_CPU_NEON | BS_CPU_DOTPROD); }
 
-typedef struct {
-    const char * family;
-    bool (*runs)(void);          /* whether this CPU runs the step */
-    void (*run)(int64_t n);      /* n iterations */
-    double macs;                 /* weight.column MACs per iteration */
-} peak_step;
-
-static const peak_step steps[] = {
+static const bs_peak_step steps[] = {
     {"generic", always, run_fmul_fadd, 12 * 4},
     {"neon-f32", always, run_fmla, 16 * 4},
     {"neon-int16", has_dot, run_sdot, 16 * 16},
 };
 
-/* MACs per second: the fastest of runs of about a fortieth of `seconds` each (x86's peak.c) */
-static double time_step(const peak_step * s, double seconds) {
-    const uint64_t budget = (uint64_t)(seconds * 1e9), run_ns = budget / 40 > 20000 ? budget / 40 : 20000;
-    const uint64_t start = bs_now_ns();
-    int64_t n = 64;
-    double best = 0.0;
-    for (;;) {
-        const uint64_t t0 = bs_now_ns();
-        s->run(n);
-        const uint64_t t1 = bs_now_ns(), dt = t1 - t0;
-        if (dt >= run_ns / 2 && dt > 0) {
-            const double rate = (double)n * s->macs / ((double)dt * 1e-9);
-            best = rate > best ? rate : best;
-        }
-        if (t1 - start >= budget && best > 0.0) {
-            return best;
-        }
-        if (dt < run_ns && n < ((int64_t)1 << 40)) {
-            n *= 2;
-        }
-    }
-}
-
-double bitsplit_family_peak(const char * family, double seconds) {
-    if (family == NULL || !(seconds > 0.0 && seconds <= 60.0)) {
-        return -1.0;
-    }
-    for (size_t i = 0; i < sizeof(steps) / sizeof(steps[0]); i++) {
-        if (strcmp(family, steps[i].family) == 0) {
-            return steps[i].runs() ? time_step(&steps[i], seconds) : 0.0;
-        }
-    }
-    return -1.0; /* no family of this build */
+/* this architecture's steps, timed by native/peak.c */
+const bs_peak_step * bs_peak_steps(size_t * n) {
+    *n = sizeof(steps) / sizeof(steps[0]);
+    return steps;
 }
 
 #endif /* __aarch64__ */

@@ -23,6 +23,7 @@
 
 #include "bitsplit.h"
 #include "bs_internal.h"
+#include "amx_tiles.h"
 #include "cpu_feats.h"
 #include "q3k_scales.h"
 
@@ -655,14 +656,6 @@ const bs_kernel_family bs_family_avx512_bf16 = {
  * amx-bf16 family
  * ------------------------------------------------------------------------------------------- */
 
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) tile_cfg;
-
 /* those and the tiles, with this process's permission to use them (cpu_feats.c) */
 static bool amx_available(void) { return bs_cpu_amx_ready(); }
 
@@ -722,8 +715,8 @@ TGT_AMX static void store_tiles(const bs_job * job, int64_t r0, int64_t rows, in
 
 /* GCC 12 drops the stores that fill a tile config passed to _tile_loadconfig (seen in llama.cpp's
  * AMX code); an asm memory operand keeps them. */
-TGT_AMX static inline void load_cfg(const tile_cfg * c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c) : "memory"); }
-TGT_AMX static inline void store_cfg(tile_cfg * c) { __asm__ volatile("sttilecfg %0" : "=m"(*c)::"memory"); }
+TGT_AMX static inline void load_cfg(const bs_tile_cfg * c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c) : "memory"); }
+TGT_AMX static inline void store_cfg(bs_tile_cfg * c) { __asm__ volatile("sttilecfg %0" : "=m"(*c)::"memory"); }
 
 /* One K-chunk for up to 4 groups of 16 columns: tile 4 holds the W2 chunk (when there is a base),
  * tile 5 the residual chunk; activation tiles alternate between 6 and 7, accumulators are 0..3. */
@@ -800,7 +793,7 @@ TGT_AMX static void amx_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scra
     uint16_t * rbuf = abuf + (size_t)job->K * BS_ROW_BLOCK;
     float * tmp = (float *)(rbuf + (size_t)job->K * BS_ROW_BLOCK);
     float * ctmp = tmp + 2 * QK;
-    tile_cfg saved, cfg;
+    bs_tile_cfg saved, cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {

@@ -29,8 +29,8 @@
  *
  * Each family's own features are asked of cpu_feats.c (the cap BITSPLIT_MAX_ISA aside: this is
  * the CPU's figure); every step is compiled with a target attribute of its own, so the library
- * builds and runs on CPUs without them. Calls cpu_feats.c and util.c's clock: level 2 of
- * native/README.md's order, beside the families.
+ * builds and runs on CPUs without them. Calls cpu_feats.c: level 2 of native/README.md's order,
+ * beside the families; native/peak.c times the steps (bs_peak_steps) for bitsplit_family_peak.
  */
 #if defined(__x86_64__)
 
@@ -42,6 +42,7 @@
 
 #include "bitsplit.h"
 #include "bs_internal.h"
+#include "amx_tiles.h"
 #include "cpu_feats.h"
 
 #define TGT_AVX2 __attribute__((target("avx2,fma")))
@@ -185,17 +186,9 @@ TGT_BF16 static void run_bf16(int64_t n) {
  * loaded once; the tile configuration is kernels_tiles.c's (8 tiles of 16 rows x 64 bytes), and
  * whoever used the tiles on this thread before gets its own back. Not run on a CPU without AMX
  * (none here when this was written: untested on AMX hardware) */
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) peak_tile_cfg;
-
 TGT_AMX static void run_amx(int64_t n) {
     static const uint16_t zeros[16 * 32] __attribute__((aligned(64)));
-    peak_tile_cfg saved, cfg;
+    bs_tile_cfg saved, cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
@@ -234,14 +227,7 @@ static bool has_bf16(void) { return bs_cpu_has(BS_CPU_NEED_AVX512_BF16); }
 /* the tiles and this process's permission to use them: asked (of the OS) only when AMX's peak is */
 static bool has_amx(void) { return bs_cpu_amx_ready(); }
 
-typedef struct {
-    const char * family;
-    bool (*runs)(void);          /* whether this CPU runs the step */
-    void (*run)(int64_t n);      /* n iterations */
-    double macs;                 /* weight.column MACs per iteration */
-} peak_step;
-
-static const peak_step steps[] = {
+static const bs_peak_step steps[] = {
     {"generic", always, run_sse2, 12 * 4},
     {"avx2-f32", has_avx2, run_fma, 12 * 8},
     {"avx2-int16", has_avx2, run_int16, 8 * 32},
@@ -252,43 +238,10 @@ static const peak_step steps[] = {
     {"amx-bf16", has_amx, run_amx, 4 * 16 * 16 * 32},
 };
 
-/* MACs per second: runs of about a fortieth of `seconds` each (the iterations doubled until a run
- * takes that long; the first runs warm the vector units up), the fastest over `seconds` in all:
- * the peak is what the core does when nothing else takes it. Short runs, so that some fall between
- * the time slices of another process on the same core (on a loaded 2-core VM, runs of 5 ms
- * measured half the peak in one call of three; runs of ~1 ms find a clean one) */
-static double time_step(const peak_step * s, double seconds) {
-    const uint64_t budget = (uint64_t)(seconds * 1e9), run_ns = budget / 40 > 20000 ? budget / 40 : 20000;
-    const uint64_t start = bs_now_ns();
-    int64_t n = 64;
-    double best = 0.0;
-    for (;;) {
-        const uint64_t t0 = bs_now_ns();
-        s->run(n);
-        const uint64_t t1 = bs_now_ns(), dt = t1 - t0;
-        if (dt >= run_ns / 2 && dt > 0) {
-            const double rate = (double)n * s->macs / ((double)dt * 1e-9);
-            best = rate > best ? rate : best;
-        }
-        if (t1 - start >= budget && best > 0.0) {
-            return best;
-        }
-        if (dt < run_ns && n < ((int64_t)1 << 40)) {
-            n *= 2;
-        }
-    }
-}
-
-double bitsplit_family_peak(const char * family, double seconds) {
-    if (family == NULL || !(seconds > 0.0 && seconds <= 60.0)) {
-        return -1.0;
-    }
-    for (size_t i = 0; i < sizeof(steps) / sizeof(steps[0]); i++) {
-        if (strcmp(family, steps[i].family) == 0) {
-            return steps[i].runs() ? time_step(&steps[i], seconds) : 0.0;
-        }
-    }
-    return -1.0; /* no family of this build */
+/* this architecture's steps, timed by native/peak.c */
+const bs_peak_step * bs_peak_steps(size_t * n) {
+    *n = sizeof(steps) / sizeof(steps[0]);
+    return steps;
 }
 
 #endif /* __x86_64__ */
