@@ -100,8 +100,9 @@ def test_prompt_in_one_batch_equals_generation_steps(exact_split, n_prompt):
 @pytest.mark.parametrize("nodes", [1, 4, 16, 64, 256])
 def test_greedy_speculative_equals_verifier_alone_at_any_tree_size(exact_split, nodes):
     n = 48 if nodes <= 16 else nodes + 32  # room for whole trees (a cycle drafts at most what is left to emit)
-    # full trees: no early stop (its threshold is measured, so the trees' sizes would depend on timing)
-    with Generator(exact_split, n_ctx=768, tree_nodes=nodes, draft_stop="off") as g:
+    # full trees: no early stop (its threshold is measured, so the trees' sizes would depend on timing);
+    # the drafter's alone, so that the rows are the tree's (text branches: tests/test_engine.py)
+    with Generator(exact_split, n_ctx=768, tree_nodes=nodes, text_nodes=0, draft_stop="off") as g:
         rows = []
         decode = g.sm.ctx.decode
 

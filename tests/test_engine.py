@@ -396,3 +396,13 @@ def test_a_text_row_is_priced_from_the_measured_passes(tiny_split):
         assert e.row_seconds() is None
         r = g.generate(REPEATING[0], max_tokens=40)  # a real generation measures its own
         assert len(e._pass_times) >= 1 and r.stats.n_verify > 1
+
+
+def test_text_nodes_fill_what_the_tree_leaves_of_a_pass(tiny_split):
+    """--text-nodes is a ceiling: beside a tree near the 256 nodes a pass takes, the text gets what is
+    left (none beside 256), and a default never refuses a tree size the user asked for."""
+    for nodes, text, want in ((256, 32, 0), (250, 32, 6), (16, 32, 32)):
+        with Generator(tiny_split, n_ctx=512, tree_nodes=nodes, text_nodes=text) as g:
+            assert g.shape.nodes == nodes and g.shape.text == want
+            if nodes == 256:
+                assert g.generate(REPEATING[0], max_tokens=4).tokens

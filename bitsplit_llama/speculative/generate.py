@@ -19,7 +19,7 @@ from ..formats.profile import load_profile
 from ..native import policy
 from ..runtime.verifier import SplitModel
 from . import autotree
-from .engine import Engine, Stats, TreeShape, kernel_pinned_by_env, n_seq_max_for, reserve_for
+from .engine import MAX_TREE_NODES, Engine, Stats, TreeShape, kernel_pinned_by_env, n_seq_max_for, reserve_for
 from .options import GenerationOptions
 from .sampling import SamplingParams
 
@@ -53,14 +53,15 @@ class Generator:
         opts = GenerationOptions.of(options, **overrides)  # every value checked before the model loads
         self.options = opts
         auto = shape is None and opts.tree_nodes == "auto"
-        text = opts.text_nodes
+        # the text's nodes: at most what a verify pass leaves beside the tree's
+        text_for = lambda s: replace(s, text=min(opts.text_nodes, MAX_TREE_NODES - s.nodes))  # noqa: E731
         if shape is None:  # (a shape given keeps its own text budget)
-            shape = TreeShape(0, 1, 1, text) if auto else replace(TreeShape.for_nodes(opts.tree_nodes), text=text)
+            shape = text_for(TreeShape(0, 1, 1) if auto else TreeShape.for_nodes(opts.tree_nodes))
         self.shape = shape
         self.shape.validate()
         split_prof = load_profile(model_dir) if auto else None  # the split's own (bitsplit profile), if any
         # the largest the choice may use
-        room = replace(autotree.room_for(split_prof), text=text) if auto else self.shape
+        room = text_for(autotree.room_for(split_prof)) if auto else self.shape
         room.validate()
         self.sm = SplitModel(model_dir, n_ctx=opts.n_ctx, n_batch=max(opts.n_batch, room.nodes + room.text + 8),
                              n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=opts.n_threads,
@@ -75,7 +76,7 @@ class Generator:
         if auto:
             self.shape, self.auto_choice, kernel = autotree.choose_for(
                 self.sm, self.tokenize, split_prof, kernel=kernel, draft_stop=opts.draft_stop, log=log)
-            self.shape = replace(self.shape, text=text)
+            self.shape = text_for(self.shape)
         self.kernel = self.sm.residual.choose_decode_kernel(2, kernel, residual_alone=self.sm.residual_alone)
         self.engine = Engine(self.sm, self.shape, draft_stop=opts.draft_stop)
         self.model = self.sm.model

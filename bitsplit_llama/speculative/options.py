@@ -45,7 +45,7 @@ class GenerationOptions:
     tree_nodes: int | str = "auto"
     #: draft nodes from the text itself (the continuation of an earlier occurrence of the last tokens:
     #: prompt lookup) verified beside the tree's, at most this many per pass (as many as their measured
-    #: acceptance makes worth a row); 0: off
+    #: acceptance makes worth a row, and no more than the 256 a pass takes leave beside the tree); 0: off
     text_nodes: int = 32
     #: who computes the drafter's products: "native" (this library's integer kernels), "llama.cpp",
     #: or "auto" (native on CPU-only runs)
@@ -91,9 +91,6 @@ class GenerationOptions:
         if self.text_nodes > MAX_TREE_NODES:
             raise InvalidOptionError(f"--text-nodes: {self.text_nodes} is more than {MAX_TREE_NODES}, the most nodes "
                                      "one verify pass takes")
-        if isinstance(self.tree_nodes, int) and self.tree_nodes + self.text_nodes > MAX_TREE_NODES:
-            raise InvalidOptionError(f"--tree-nodes {self.tree_nodes} with --text-nodes {self.text_nodes}: more than "
-                                     f"{MAX_TREE_NODES} nodes, the most one verify pass takes")
         if self.drafter not in DRAFTERS:
             raise InvalidOptionError(f"--drafter: {self.drafter!r} is not one of {', '.join(DRAFTERS)}")
         from .engine import parse_draft_stop
