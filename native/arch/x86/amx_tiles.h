@@ -7,6 +7,7 @@
 #define BS_AMX_TILES_H
 
 #include <stdint.h>
+#include <string.h>
 
 typedef struct {
     uint8_t palette;
@@ -15,5 +16,15 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } __attribute__((aligned(64))) bs_tile_cfg;
+
+/* the configuration both use: palette 1, tiles 0-7 of 16 rows x 64 bytes, the others unused */
+static inline void bs_tile_cfg_8x16x64(bs_tile_cfg * cfg) {
+    memset(cfg, 0, sizeof(*cfg));
+    cfg->palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg->rows[t] = 16;
+        cfg->colsb[t] = 64;
+    }
+}
 
 #endif

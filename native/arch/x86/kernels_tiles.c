@@ -794,12 +794,7 @@ TGT_AMX static void amx_rows(const bs_job * job, int64_t r0, int64_t r1, bs_scra
     float * tmp = (float *)(rbuf + (size_t)job->K * BS_ROW_BLOCK);
     float * ctmp = tmp + 2 * QK;
     bs_tile_cfg saved, cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
+    bs_tile_cfg_8x16x64(&cfg);
     store_cfg(&saved); /* whoever else uses tiles on this thread (ggml's AMX code) gets its config back */
     load_cfg(&cfg);
     const bool streaming = job->n_cols <= 64;

@@ -189,12 +189,7 @@ TGT_BF16 static void run_bf16(int64_t n) {
 TGT_AMX static void run_amx(int64_t n) {
     static const uint16_t zeros[16 * 32] __attribute__((aligned(64)));
     bs_tile_cfg saved, cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
+    bs_tile_cfg_8x16x64(&cfg);
     __asm__ volatile("sttilecfg %0" : "=m"(saved)::"memory");
     __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
     _tile_zero(0);
