@@ -192,8 +192,8 @@ void bs_attn_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
             }
         }
         bs_record_error(ctx, BITSPLIT_E_NOMEM,
-                        "out of memory: attention's product '%s' (%s kernels) could not allocate %zu bytes of scratch",
-                        dst->name, kern->name, s->failed);
+                        "out of memory: attention's product '%s' (%s kernels) could not allocate %llu bytes of scratch",
+                        dst->name, kern->name, (unsigned long long)s->failed);
         return;
     }
     int64_t have = -1; /* the slice transposed in t */
@@ -284,8 +284,8 @@ void bs_softmax_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) 
             nan_fill((char *)dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3], n);
         }
         bs_record_error(ctx, BITSPLIT_E_NOMEM,
-                        "out of memory: the softmax '%s' (%s kernels) could not allocate %zu bytes of scratch",
-                        dst->name, kern->name, sc->failed);
+                        "out of memory: the softmax '%s' (%s kernels) could not allocate %llu bytes of scratch",
+                        dst->name, kern->name, (unsigned long long)sc->failed);
         return;
     }
     for (int64_t r = r0; r < r1; r++) {

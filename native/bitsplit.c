@@ -19,7 +19,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "bs_internal.h"
 #include "ggml.h"
@@ -88,16 +87,14 @@ static char abort_msg[1024];
 
 static void on_ggml_abort(const char * message) {
     /* async-signal-safe calls only: another thread may hold stdio's locks */
-    const size_t n = strnlen(abort_msg, sizeof(abort_msg));
-    ssize_t w = write(2, abort_msg, n);
-    w = write(2, "\n  llama.cpp: ", 14);
+    bs_stderr_write(abort_msg, strnlen(abort_msg, sizeof(abort_msg)));
+    bs_stderr_write("\n  llama.cpp: ", 14);
     if (message != NULL) {
         const size_t m = strnlen(message, 4096);
-        w = write(2, message, m > 0 && message[m - 1] == '\n' ? m - 1 : m);
+        bs_stderr_write(message, m > 0 && message[m - 1] == '\n' ? m - 1 : m);
     }
-    w = write(2, "\n", 1);
-    (void)w;
-    _exit(1);
+    bs_stderr_write("\n", 1);
+    bs_exit_now(1);
 }
 
 void bitsplit_set_abort_message(const char * msg) {

@@ -5,7 +5,6 @@
 #ifndef BS_INTERNAL_H
 #define BS_INTERNAL_H
 
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -13,6 +12,7 @@
 #include <string.h>
 
 #include "bitsplit.h"
+#include "bs_os.h"
 #include "ggml-backend.h"
 #include "ggml.h"
 
@@ -237,9 +237,9 @@ static inline float bs_iq1m_scale(float d, const uint8_t * b, int g, int h) {
     return d * (float)(2 * ((sc >> (6 * (g % 2) + 3 * h)) & 0x7) + 1);
 }
 
-/* util.c: whether ggml can turn this type into f32 (a known type with a dequantizer); the clock */
+/* util.c: whether ggml can turn this type into f32 (a known type with a dequantizer) (the clock,
+ * bs_now_ns, is os.c's) */
 bool bs_type_readable(enum ggml_type type);
-uint64_t bs_now_ns(void);
 
 /* One kernel family's multiply step, as its peak is timed (native/peak.c, bitsplit_family_peak):
  * run(n) does n iterations of macs weight.column multiply-accumulates in registers alone, where
@@ -262,7 +262,6 @@ typedef struct bs_overlap bs_overlap;
 #define BS_OVERLAP_MAX 8 /* products one activation may feed with its R . x started early */
 
 struct bitsplit_ctx {
-    int fd_res, fd_base;
     void * map_res;
     size_t map_res_size;
     void * map_base;
@@ -322,7 +321,7 @@ struct bitsplit_ctx {
     atomic_uint_fast64_t c_bdev_in, c_bdev_out, c_ns_xfer, c_overlap, c_ns_wait, c_stops, c_exact;
     atomic_uint_fast64_t c_attn, c_ns_attn, c_softmax; /* attention computed here (attn.c) */
 
-    pthread_mutex_t err_lock;
+    bs_mutex err_lock;
     int err_status;
     char err_msg[512];
 };

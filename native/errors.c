@@ -5,7 +5,6 @@
  * file of it (native/README.md: the units bottom to top).
  */
 #define _GNU_SOURCE
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 
@@ -28,7 +27,7 @@ const char * bitsplit_status_str(int status) {
 
 void bs_record_error(bitsplit_ctx * ctx, int status, const char * fmt, ...) {
     atomic_fetch_add(&ctx->c_err, 1);
-    pthread_mutex_lock(&ctx->err_lock);
+    bs_mutex_lock(&ctx->err_lock);
     if (ctx->err_status == BITSPLIT_OK) {
         ctx->err_status = status;
         va_list ap;
@@ -36,20 +35,20 @@ void bs_record_error(bitsplit_ctx * ctx, int status, const char * fmt, ...) {
         vsnprintf(ctx->err_msg, sizeof(ctx->err_msg), fmt, ap);
         va_end(ap);
     }
-    pthread_mutex_unlock(&ctx->err_lock);
+    bs_mutex_unlock(&ctx->err_lock);
 }
 
 int bitsplit_ctx_take_error(bitsplit_ctx * ctx, char * buf, size_t buf_size) {
     if (ctx == NULL) {
         return BITSPLIT_E_INVALID;
     }
-    pthread_mutex_lock(&ctx->err_lock);
+    bs_mutex_lock(&ctx->err_lock);
     const int st = ctx->err_status;
     if (buf != NULL && buf_size > 0) {
         snprintf(buf, buf_size, "%s", st == BITSPLIT_OK ? "" : ctx->err_msg);
     }
     ctx->err_status = BITSPLIT_OK;
     ctx->err_msg[0] = '\0';
-    pthread_mutex_unlock(&ctx->err_lock);
+    bs_mutex_unlock(&ctx->err_lock);
     return st;
 }

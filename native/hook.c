@@ -152,8 +152,8 @@ static void op_get_rows(struct ggml_tensor * dst, int ith, int nth, void * userd
             nan_fill((float *)((char *)dst->data + i * dst->nb[1]), K);
         }
         bs_record_error(ctx, BITSPLIT_E_NOMEM,
-                        "out of memory: the embedding lookup of '%s' could not allocate %zu bytes of scratch", e->name,
-                        s->failed);
+                        "out of memory: the embedding lookup of '%s' could not allocate %llu bytes of scratch", e->name,
+                        (unsigned long long)s->failed);
         return;
     }
     for (int64_t i = i0; i < i1; i++) {

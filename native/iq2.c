@@ -17,7 +17,6 @@
  * IQ1_M (split --base iq1_m) likewise: a grid of 2,048 entries of 8 values in {-1, 0, 1}
  * (bs_internal.h has the block's layout).
  */
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,7 +24,7 @@
 #include "ggml.h"
 
 static bs_iq_tables tables;
-static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+static bs_once tables_once = BS_ONCE_INIT;
 
 /* the magnitudes of n grid entries, index i at code slot i of unit-scale blocks (8 codes per 32
  * values), read back from ggml's dequantizer */
@@ -168,7 +167,7 @@ static void read_tables(void) {
 }
 
 const bs_iq_tables * bs_iq_get_tables(void) {
-    pthread_once(&tables_once, read_tables);
+    bs_once_run(&tables_once, read_tables);
     return &tables;
 }
 

@@ -7,16 +7,10 @@
 #define _GNU_SOURCE
 #include "bitsplit.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "bs_internal.h"
 #include "ggml.h"
@@ -57,29 +51,10 @@ const bs_entry * bs_find_entry(const bitsplit_ctx * ctx, const char * name) {
  * loading
  * ------------------------------------------------------------------------------------------- */
 
-static int map_file(const char * path, int * fd_out, void ** map_out, size_t * size_out, char * err, size_t n) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        return fail(err, n, BITSPLIT_E_IO, "%s: cannot open: %s", path, strerror(errno));
-    }
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return fail(err, n, BITSPLIT_E_IO, "%s: not a regular file", path);
-    }
-    if (st.st_size <= 0) {
-        close(fd);
-        return fail(err, n, BITSPLIT_E_FORMAT, "%s: empty file", path);
-    }
-    void * map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
-    if (map == MAP_FAILED) {
-        close(fd);
-        return fail(err, n, BITSPLIT_E_IO, "%s: cannot map: %s", path, strerror(errno));
-    }
-    *fd_out = fd;
-    *map_out = map;
-    *size_out = (size_t)st.st_size;
-    return BITSPLIT_OK;
+static int map_file(const char * path, void ** map_out, size_t * size_out, char * err, size_t n) {
+    char why[200];
+    const int st = bs_map_file(path, map_out, size_out, why, sizeof(why));
+    return st == 0 ? BITSPLIT_OK : fail(err, n, st == 2 ? BITSPLIT_E_FORMAT : BITSPLIT_E_IO, "%s: %s", path, why);
 }
 
 static bool residual_type_ok(enum ggml_type t) { return bs_residual_type(t); }
@@ -120,19 +95,18 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
     if (ctx == NULL) {
         return fail(err, err_size, BITSPLIT_E_NOMEM, "out of memory");
     }
-    ctx->fd_res = ctx->fd_base = -1;
-    pthread_mutex_init(&ctx->err_lock, NULL);
+    bs_mutex_init(&ctx->err_lock);
     ctx->n_threads = 1;
 
     struct ggml_context * meta_res = NULL;
     struct ggml_context * meta_base = NULL;
     struct gguf_context * g_res = NULL;
     struct gguf_context * g_base = NULL;
-    int st = map_file(residual_path, &ctx->fd_res, &ctx->map_res, &ctx->map_res_size, err, err_size);
+    int st = map_file(residual_path, &ctx->map_res, &ctx->map_res_size, err, err_size);
     if (st != BITSPLIT_OK) {
         goto fail;
     }
-    st = map_file(base_path, &ctx->fd_base, &ctx->map_base, &ctx->map_base_size, err, err_size);
+    st = map_file(base_path, &ctx->map_base, &ctx->map_base_size, err, err_size);
     if (st != BITSPLIT_OK) {
         goto fail;
     }
@@ -360,20 +334,18 @@ void bitsplit_ctx_free(bitsplit_ctx * ctx) {
     bs_overlap_free(ctx);
     bs_pool_free(ctx->pool);
     for (int i = 0; i < BS_MAX_THREADS; i++) {
-        free(ctx->scratch[i].buf);
+        bs_aligned_free(ctx->scratch[i].buf);
     }
-    free(ctx->host_x.buf);
-    free(ctx->host_y.buf);
-    free(ctx->host_d.buf);
-    free(ctx->acts);
-    free(ctx->gather);
+    bs_aligned_free(ctx->host_x.buf);
+    bs_aligned_free(ctx->host_y.buf);
+    bs_aligned_free(ctx->host_d.buf);
+    bs_aligned_free(ctx->acts);
+    bs_aligned_free(ctx->gather);
     free(ctx->entries);
     free(ctx->table);
-    if (ctx->map_res != NULL && ctx->map_res != MAP_FAILED) munmap(ctx->map_res, ctx->map_res_size);
-    if (ctx->map_base != NULL && ctx->map_base != MAP_FAILED) munmap(ctx->map_base, ctx->map_base_size);
-    if (ctx->fd_res >= 0) close(ctx->fd_res);
-    if (ctx->fd_base >= 0) close(ctx->fd_base);
-    pthread_mutex_destroy(&ctx->err_lock);
+    bs_unmap_file(ctx->map_res, ctx->map_res_size);
+    bs_unmap_file(ctx->map_base, ctx->map_base_size);
+    bs_mutex_destroy(&ctx->err_lock);
     free(ctx);
 }
 

@@ -19,7 +19,6 @@
 #define _GNU_SOURCE
 #include "bitsplit.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -40,10 +39,10 @@ struct bs_overlap {
     feed * feeds;
     int n_feeds;
 
-    pthread_t thread;
+    bs_thread thread;
     bool started;
-    pthread_mutex_t lock;
-    pthread_cond_t cv_work, cv_done;
+    bs_mutex lock;
+    bs_cond cv_work, cv_done;
     bool stop;
     uint64_t generation; /* bumped per batch */
     int n_jobs, n_done;  /* the current batch: jobs submitted, jobs finished */
@@ -85,26 +84,26 @@ static feed * find_feed(bs_overlap * ov, const char * name, bool insert) {
 static void * runner(void * p) {
     bitsplit_ctx * ctx = p;
     bs_overlap * ov = ctx->ov;
-    pthread_mutex_lock(&ov->lock);
+    bs_mutex_lock(&ov->lock);
     for (;;) {
         while (!ov->stop && ov->n_done == ov->n_jobs) {
-            pthread_cond_wait(&ov->cv_work, &ov->lock);
+            bs_cond_wait(&ov->cv_work, &ov->lock);
         }
         if (ov->stop) {
             break;
         }
         const int i = ov->n_done;
-        pthread_mutex_unlock(&ov->lock);
+        bs_mutex_unlock(&ov->lock);
         const uint64_t t0 = bs_now_ns();
         if (bs_run_on_pool(ctx, &ov->jobs[i]) != BITSPLIT_OK) {
             ov->jobs[i].y = NULL; /* out of memory: the product is computed after the fact */
         }
         ov->ns[i] = bs_now_ns() - t0;
-        pthread_mutex_lock(&ov->lock);
+        bs_mutex_lock(&ov->lock);
         ov->n_done++;
-        pthread_cond_broadcast(&ov->cv_done);
+        bs_cond_broadcast(&ov->cv_done);
     }
-    pthread_mutex_unlock(&ov->lock);
+    bs_mutex_unlock(&ov->lock);
     return NULL;
 }
 
@@ -120,9 +119,9 @@ bool bs_overlap_enable(bitsplit_ctx * ctx, bool on) {
             free(ov);
             return false;
         }
-        pthread_mutex_init(&ov->lock, NULL);
-        pthread_cond_init(&ov->cv_work, NULL);
-        pthread_cond_init(&ov->cv_done, NULL);
+        bs_mutex_init(&ov->lock);
+        bs_cond_init(&ov->cv_work);
+        bs_cond_init(&ov->cv_done);
         ctx->ov = ov;
     }
     ctx->overlap = true;
@@ -135,18 +134,18 @@ void bs_overlap_free(bitsplit_ctx * ctx) {
         return;
     }
     if (ov->started) {
-        pthread_mutex_lock(&ov->lock);
+        bs_mutex_lock(&ov->lock);
         ov->stop = true;
-        pthread_cond_broadcast(&ov->cv_work);
-        pthread_mutex_unlock(&ov->lock);
-        pthread_join(ov->thread, NULL);
+        bs_cond_broadcast(&ov->cv_work);
+        bs_mutex_unlock(&ov->lock);
+        bs_thread_join(ov->thread);
     }
-    pthread_mutex_destroy(&ov->lock);
-    pthread_cond_destroy(&ov->cv_work);
-    pthread_cond_destroy(&ov->cv_done);
+    bs_mutex_destroy(&ov->lock);
+    bs_cond_destroy(&ov->cv_work);
+    bs_cond_destroy(&ov->cv_done);
     free(ov->feeds);
-    free(ov->xbuf);
-    free(ov->ybuf);
+    bs_aligned_free(ov->xbuf);
+    bs_aligned_free(ov->ybuf);
     free(ov);
     ctx->ov = NULL;
 }
@@ -156,12 +155,12 @@ void bs_overlap_drain(bitsplit_ctx * ctx) {
     if (ov == NULL || !ov->started) {
         return;
     }
-    pthread_mutex_lock(&ov->lock);
+    bs_mutex_lock(&ov->lock);
     while (ov->n_done < ov->n_jobs) {
-        pthread_cond_wait(&ov->cv_done, &ov->lock);
+        bs_cond_wait(&ov->cv_done, &ov->lock);
     }
     ov->x = NULL; /* whatever was not used is dropped */
-    pthread_mutex_unlock(&ov->lock);
+    bs_mutex_unlock(&ov->lock);
 }
 
 void bs_overlap_learn(bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs_entry * e) {
@@ -202,7 +201,7 @@ void bs_overlap_start(bitsplit_ctx * ctx, const struct ggml_tensor * x) {
         ysize += (size_t)(n_cols * f->e[i]->ne[1]) * sizeof(float);
     }
     if (!ov->started) {
-        if (pthread_create(&ov->thread, NULL, runner, ctx) != 0) {
+        if (bs_thread_create(&ov->thread, runner, ctx) != 0) {
             return;
         }
         ov->started = true;
@@ -227,14 +226,14 @@ void bs_overlap_start(bitsplit_ctx * ctx, const struct ggml_tensor * x) {
         ov->taken[i] = false;
         y += n_cols * e->ne[1];
     }
-    pthread_mutex_lock(&ov->lock);
+    bs_mutex_lock(&ov->lock);
     ov->x = x;
     ov->n_cols = n_cols;
     ov->n_done = 0;
     ov->n_jobs = f->n;
     ov->generation++;
-    pthread_cond_broadcast(&ov->cv_work);
-    pthread_mutex_unlock(&ov->lock);
+    bs_cond_broadcast(&ov->cv_work);
+    bs_mutex_unlock(&ov->lock);
 }
 
 const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, const bs_entry * e) {
@@ -243,7 +242,7 @@ const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, 
         return NULL;
     }
     const struct ggml_tensor * x = t->src[1];
-    pthread_mutex_lock(&ov->lock);
+    bs_mutex_lock(&ov->lock);
     int i = -1;
     if (ov->x != NULL && ov->x == x && ov->n_cols == ggml_nrows(x)) {
         for (int k = 0; k < ov->n_jobs; k++) {
@@ -254,16 +253,16 @@ const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, 
         }
     }
     if (i < 0) {
-        pthread_mutex_unlock(&ov->lock);
+        bs_mutex_unlock(&ov->lock);
         return NULL;
     }
     const uint64_t t0 = bs_now_ns();
     while (ov->n_done <= i) {
-        pthread_cond_wait(&ov->cv_done, &ov->lock);
+        bs_cond_wait(&ov->cv_done, &ov->lock);
     }
     ov->taken[i] = true;
     const bs_job * job = &ov->jobs[i];
-    pthread_mutex_unlock(&ov->lock);
+    bs_mutex_unlock(&ov->lock);
     atomic_fetch_add(&ctx->c_ns_wait, bs_now_ns() - t0);
     if (job->y == NULL) {
         return NULL;

@@ -7,8 +7,6 @@
 #include "bitsplit.h"
 
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,9 +21,9 @@ typedef void (*bs_task_fn)(void * arg, int ith, int nth);
 
 struct bs_pool {
     int n;
-    pthread_t * threads;
-    pthread_mutex_t lock;
-    pthread_cond_t cv_work, cv_done;
+    bs_thread * threads;
+    bs_mutex lock;
+    bs_cond cv_work, cv_done;
     bs_task_fn fn;
     void * arg;
     int nth;            /* threads taking part in the current generation (the caller included) */
@@ -46,28 +44,28 @@ static void * pool_worker(void * p) {
     free(wa);
     uint64_t seen = 0;
     for (;;) {
-        pthread_mutex_lock(&pool->lock);
+        bs_mutex_lock(&pool->lock);
         while (!pool->stop && pool->generation == seen) {
-            pthread_cond_wait(&pool->cv_work, &pool->lock);
+            bs_cond_wait(&pool->cv_work, &pool->lock);
         }
         if (pool->stop) {
-            pthread_mutex_unlock(&pool->lock);
+            bs_mutex_unlock(&pool->lock);
             return NULL;
         }
         seen = pool->generation;
         bs_task_fn fn = pool->fn;
         void * arg = pool->arg;
         const int nth = pool->nth;
-        pthread_mutex_unlock(&pool->lock);
+        bs_mutex_unlock(&pool->lock);
         if (ith >= nth) {
             continue; /* not needed this time: the caller does not wait for this thread */
         }
         fn(arg, ith, nth);
-        pthread_mutex_lock(&pool->lock);
+        bs_mutex_lock(&pool->lock);
         if (--pool->pending == 0) {
-            pthread_cond_signal(&pool->cv_done);
+            bs_cond_signal(&pool->cv_done);
         }
-        pthread_mutex_unlock(&pool->lock);
+        bs_mutex_unlock(&pool->lock);
     }
 }
 
@@ -75,17 +73,17 @@ void bs_pool_free(bs_pool * pool) {
     if (pool == NULL) {
         return;
     }
-    pthread_mutex_lock(&pool->lock);
+    bs_mutex_lock(&pool->lock);
     pool->stop = true;
-    pthread_cond_broadcast(&pool->cv_work);
-    pthread_mutex_unlock(&pool->lock);
+    bs_cond_broadcast(&pool->cv_work);
+    bs_mutex_unlock(&pool->lock);
     for (int i = 0; i < pool->n; i++) {
-        pthread_join(pool->threads[i], NULL);
+        bs_thread_join(pool->threads[i]);
     }
     free(pool->threads);
-    pthread_mutex_destroy(&pool->lock);
-    pthread_cond_destroy(&pool->cv_work);
-    pthread_cond_destroy(&pool->cv_done);
+    bs_mutex_destroy(&pool->lock);
+    bs_cond_destroy(&pool->cv_work);
+    bs_cond_destroy(&pool->cv_done);
     free(pool);
 }
 
@@ -95,10 +93,10 @@ static bs_pool * pool_new(int n_threads) {
     if (pool == NULL) {
         return NULL;
     }
-    pthread_mutex_init(&pool->lock, NULL);
-    pthread_cond_init(&pool->cv_work, NULL);
-    pthread_cond_init(&pool->cv_done, NULL);
-    pool->threads = calloc((size_t)(n_threads > 1 ? n_threads - 1 : 1), sizeof(pthread_t));
+    bs_mutex_init(&pool->lock);
+    bs_cond_init(&pool->cv_work);
+    bs_cond_init(&pool->cv_done);
+    pool->threads = calloc((size_t)(n_threads > 1 ? n_threads - 1 : 1), sizeof(bs_thread));
     if (pool->threads == NULL) {
         bs_pool_free(pool);
         return NULL;
@@ -111,7 +109,7 @@ static bs_pool * pool_new(int n_threads) {
         }
         wa->pool = pool;
         wa->ith = i + 1;
-        if (pthread_create(&pool->threads[i], NULL, pool_worker, wa) != 0) {
+        if (bs_thread_create(&pool->threads[i], pool_worker, wa) != 0) {
             free(wa);
             bs_pool_free(pool);
             return NULL;
@@ -130,20 +128,20 @@ static void pool_run(bs_pool * pool, bs_task_fn fn, void * arg, int nth) {
     if (nth > pool->n + 1) {
         nth = pool->n + 1;
     }
-    pthread_mutex_lock(&pool->lock);
+    bs_mutex_lock(&pool->lock);
     pool->fn = fn;
     pool->arg = arg;
     pool->nth = nth;
     pool->pending = nth - 1;
     pool->generation++;
-    pthread_cond_broadcast(&pool->cv_work);
-    pthread_mutex_unlock(&pool->lock);
+    bs_cond_broadcast(&pool->cv_work);
+    bs_mutex_unlock(&pool->lock);
     fn(arg, 0, nth);
-    pthread_mutex_lock(&pool->lock);
+    bs_mutex_lock(&pool->lock);
     while (pool->pending > 0) {
-        pthread_cond_wait(&pool->cv_done, &pool->lock);
+        bs_cond_wait(&pool->cv_done, &pool->lock);
     }
-    pthread_mutex_unlock(&pool->lock);
+    bs_mutex_unlock(&pool->lock);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -169,7 +167,7 @@ void bs_barrier(bitsplit_ctx * ctx, int nth) {
         int spins = 0;
         while (atomic_load_explicit(&ctx->bar_gen, memory_order_acquire) == gen) {
             if (spins >= BS_BARRIER_SPINS) {
-                sched_yield();
+                bs_yield();
                 continue;
             }
             spins++;
@@ -270,8 +268,8 @@ void bs_run_job(bitsplit_ctx * ctx, const bs_job * job, int ith, int nth) {
                 for (int64_t r = r0; r < r1; r++) job->y[c * job->ldy + r] = NAN;
             }
             bs_record_error(ctx, BITSPLIT_E_NOMEM,
-                            "out of memory: kernel family %s could not allocate %zu bytes of scratch for a product "
-                            "of %lld x %lld on %lld columns", fam->name, s->failed, (long long)job->N,
+                            "out of memory: kernel family %s could not allocate %llu bytes of scratch for a product "
+                            "of %lld x %lld on %lld columns", fam->name, (unsigned long long)s->failed, (long long)job->N,
                             (long long)job->K, (long long)job->n_cols);
             atomic_store(&ctx->job_failed, true);
         }
@@ -314,12 +312,12 @@ bool bs_ensure(void ** buf, size_t * cap, size_t need) {
     if (*cap >= need) {
         return true;
     }
-    void * p = NULL;
     size_t want = (need + 4095) & ~(size_t)4095;
-    if (posix_memalign(&p, 64, want) != 0) {
+    void * p = bs_aligned_alloc(64, want);
+    if (p == NULL) {
         return false;
     }
-    free(*buf);
+    bs_aligned_free(*buf);
     *buf = p;
     *cap = want;
     return true;

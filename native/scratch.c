@@ -12,12 +12,12 @@ void * bs_scratch_get(bs_scratch * s, size_t size) {
         return s->buf;
     }
     size_t want = (size + 4095) & ~(size_t)4095;
-    void * p = NULL;
-    if (posix_memalign(&p, 64, want) != 0) {
+    void * p = bs_aligned_alloc(64, want);
+    if (p == NULL) {
         s->failed = size;
         return NULL;
     }
-    free(s->buf);
+    bs_aligned_free(s->buf);
     s->buf = p;
     s->size = want;
     return p;

@@ -1,19 +1,12 @@
 /*
- * The helpers at the bottom of the library, beside errors.c: the clock of the counters, and ggml's
- * weight types as this library reads them (readable at all, a row to f32 through ggml's own
+ * The helpers at the bottom of the library, beside errors.c: ggml's weight types as this library
+ * reads them (readable at all, a row to f32 through ggml's own
  * dequantizer). Calls no other file of the library (native/README.md: the units bottom to top).
  */
 #define _GNU_SOURCE
 #include <string.h>
-#include <time.h>
 
 #include "bs_internal.h"
-
-uint64_t bs_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 bool bs_type_readable(enum ggml_type type) {
     if (type == GGML_TYPE_F32) {

@@ -84,3 +84,73 @@ def test_platform_helpers_here(tmp_path):
         assert held.stdout.strip() == "False", held.stderr
     free = subprocess.run([sys.executable, "-c", code, str(tmp_path / "lock")], capture_output=True, text=True)
     assert free.stdout.strip() == "True", free.stderr
+
+
+# --- the native library on Windows (built and run under wine by tests/test_wine.py, marked `wine`) ---
+
+NATIVE = ROOT / "native"
+POSIX_HEADERS = ("pthread.h", "unistd.h", "sys/mman.h", "sys/stat.h", "fcntl.h", "sched.h", "sys/syscall.h",
+                 "sys/auxv.h", "dlfcn.h")
+
+
+def test_native_sources_reach_posix_only_through_os_layer():
+    """POSIX-only headers appear only in the OS layer (bs_os.h, os.c) and in Linux-guarded CPU detection,
+    so the library compiles for Windows; this holds without MinGW or wine installed."""
+    import re
+
+    offenders = []
+    for path in sorted([*NATIVE.glob("*.[ch]"), *(NATIVE / "arch" / "x86").glob("*.[ch]")]):
+        rel = path.relative_to(NATIVE).as_posix()
+        if rel in ("bs_os.h", "os.c"):
+            continue
+        depth_linux = 0  # inside `#if defined(__linux__)`
+        for line in path.read_text().splitlines():
+            s = line.strip()
+            if re.match(r"#\s*if.*__linux__", s):
+                depth_linux += 1
+            elif re.match(r"#\s*endif", s) and depth_linux:
+                depth_linux -= 1
+            m = re.match(r'#\s*include\s*<([^>]+)>', s)
+            if m and m.group(1) in POSIX_HEADERS and not depth_linux:
+                offenders.append(f"{rel}: {s}")
+            if re.search(r"\b(pthread_\w+|posix_memalign|mmap|munmap|sched_yield|clock_gettime)\s*\(", s) and not depth_linux:
+                offenders.append(f"{rel}: {s}")
+    assert not offenders, offenders
+
+
+def test_windows_link_command_and_exports(tmp_path):
+    from bitsplit_llama.native import build
+    from bitsplit_llama.native.cdef import cdef, declared_functions
+
+    header = build.source_dir() / "bitsplit.h"
+    text = build.export_def(header)
+    names = [line.strip() for line in text.splitlines()[1:]]
+    assert text.startswith("EXPORTS\n") and names == declared_functions(cdef(header))
+    assert "bitsplit_eval_callback" in names and all(n.startswith("bitsplit_") for n in names)
+
+    base = tmp_path / "lib" / "ggml-base.dll"
+    win = build.link_command("gcc", ["a.o", "b.o"], tmp_path / "bitsplit.dll", base.parent, base,
+                             tmp_path / "bitsplit.def", windows=True)
+    # straight to the DLL llama_cpp loaded (the Windows loader resolves the import to that module), the
+    # exports from the .def file, libgcc linked in; nothing of ELF's (rpath, -l:, pthread)
+    assert win[:2] == ["gcc", "-shared"] and str(base) in win and str(tmp_path / "bitsplit.def") in win
+    assert "-static-libgcc" in win and not any(a.startswith(("-Wl,-rpath", "-l:", "-lpthread")) for a in win)
+    lin = build.link_command("cc", ["a.o"], tmp_path / "libbitsplit.so", base.parent, base.with_name("libggml-base.so.0"),
+                             windows=False)
+    assert f"-l:libggml-base.so.0" in lin and f"-Wl,-rpath,{base.parent}" in lin
+    assert "-fPIC" not in build.cflags(windows=True) and "-fPIC" in build.cflags(windows=False)
+
+
+def test_no_compiler_on_windows_says_what_to_install(monkeypatch):
+    import pytest
+
+    from bitsplit_llama.errors import NativeError
+    from bitsplit_llama.native import build
+
+    monkeypatch.setattr(build, "WINDOWS", True)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    with pytest.raises(NativeError) as err:
+        build._compiler()
+    msg = str(err.value)
+    assert "tried $CC, gcc, clang, cc" in msg and "MinGW-w64" in msg and "cl cannot build it" in msg

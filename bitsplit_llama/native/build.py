@@ -35,8 +35,17 @@ from .._platform import lock_exclusive
 from ..errors import NativeError
 
 ARCH_DIRS = {"x86_64": "x86", "amd64": "x86", "aarch64": "arm", "arm64": "arm"}
-CFLAGS = ("-std=c11", "-O3", "-fPIC", "-Wall", "-fvisibility=default")
-LIB = "libbitsplit.so"
+WINDOWS = os.name == "nt"
+
+
+def cflags(windows: bool = WINDOWS) -> tuple[str, ...]:
+    """The compiler flags of every source (Windows: MinGW-w64 gcc, where code is position-independent
+    anyway and every symbol is visible to the linker, which exports what the .def file names)."""
+    return ("-std=c11", "-O3", "-Wall") if windows else ("-std=c11", "-O3", "-fPIC", "-Wall", "-fvisibility=default")
+
+
+CFLAGS = cflags()
+LIB = "bitsplit.dll" if WINDOWS else "libbitsplit.so"
 STALE_DAYS = 30  # a new build removes the other builds no process has loaded for this long
 USED = "used"    # touched by each load: when a build was last used
 TIMES = "compile-times.json"  # in the cache root: each source's compile seconds in the last build here
@@ -165,11 +174,40 @@ def _llama_paths() -> tuple[Path, Path, Path, str]:
                       + ", ".join(str(t) for t in tried))
 
 
+#: what to install where no compiler is found, per platform
+WINDOWS_COMPILER_HINT = ("install MinGW-w64 gcc (MSYS2: pacman -S mingw-w64-ucrt-x86_64-gcc, or WinLibs) and put its bin "
+                         "folder on PATH, or name it in CC; MSVC's cl cannot build it (GCC vector extensions, inline "
+                         "assembly)")
+
+
 def _compiler() -> str:
-    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    tried = ("gcc", "clang", "cc") if WINDOWS else ("cc", "gcc", "clang")
+    for cand in (os.environ.get("CC"), *tried):
         if cand and shutil.which(cand):
             return cand
-    raise NativeError("no C compiler found (tried $CC, cc, gcc, clang): install gcc to build the native library")
+    hint = WINDOWS_COMPILER_HINT if WINDOWS else "install gcc"
+    raise NativeError(f"no C compiler found (tried $CC, {', '.join(tried)}): {hint} to build the native library")
+
+
+def export_def(header: Path) -> str:
+    """The module-definition file that exports the API (every ``bitsplit_*`` function of ``bitsplit.h``)
+    from the Windows DLL: the header stays free of export markers, and nothing else is exported."""
+    from .cdef import cdef, declared_functions
+
+    return "EXPORTS\n" + "".join(f"    {name}\n" for name in declared_functions(cdef(header)))
+
+
+def link_command(cc: str, objs: list[str], out: Path, lib_dir: Path, base: Path, def_file: Path | None = None,
+                 windows: bool = WINDOWS) -> list[str]:
+    """The command that links ``objs`` into the shared library ``out`` against llama-cpp-python's ggml-base:
+    on Linux by file name with an rpath to its folder; on Windows (MinGW-w64 gcc) straight to ggml-base.dll,
+    whose import the loader resolves to the ggml-base.dll llama_cpp already loaded, with ``def_file``'s
+    exports and libgcc linked in (no libgcc DLL to find at run time)."""
+    if windows:
+        return [cc, "-shared", *objs, "-o", str(out), str(base), *([str(def_file)] if def_file else []),
+                "-static-libgcc"]
+    return [cc, "-shared", *objs, "-o", str(out), f"-L{lib_dir}", f"-l:{base.name}", f"-Wl,-rpath,{lib_dir}",
+            "-lpthread"]
 
 
 def _cache_root() -> Path:
@@ -208,14 +246,17 @@ def build(force: bool = False, log=None) -> Path:
             return target
         out_dir.mkdir(parents=True, exist_ok=True)  # a prune may have removed it while this one waited
         cc = _compiler()
-        tmp = out_dir / f".libbitsplit.{os.getpid()}.so"
+        tmp = out_dir / f".{os.getpid()}.{LIB}"
         objs = out_dir / f".objs.{os.getpid()}"
         srcs = _by_cost(info["src"], sources(info["src"]), _compile_times())
         flags = [*CFLAGS, *[f"-I{d}" for d in include_dirs(info["src"])], f"-I{info['inc']}"]
         compiles = [[cc, *flags, "-c", str(info["src"] / s), "-o", str(objs / (s.replace("/", "_") + ".o"))]
                     for s in srcs]
-        link = [cc, "-shared", *[c[-1] for c in compiles], "-o", str(tmp), f"-L{info['lib_dir']}",
-                f"-l:{info['base'].name}", f"-Wl,-rpath,{info['lib_dir']}", "-lpthread"]
+        def_file = None
+        if WINDOWS:
+            def_file = out_dir / "bitsplit.def"
+            def_file.write_text(export_def(info["src"] / "bitsplit.h"))
+        link = link_command(cc, [c[-1] for c in compiles], tmp, info["lib_dir"], info["base"], def_file)
         jobs = _jobs()
         if log:
             log(f"building the native library ({cc}, {len(srcs)} sources, {min(jobs, len(srcs))} at a time: a few "

@@ -1,11 +1,13 @@
 /*
  * Parity of ONE kernel family with ggml's dequantisation: kernels_avx2.c on x86-64, kernels_neon.c
- * on AArch64 (with -DPARITY_INT16: the integer families, kernels_avx2_int.c / kernels_neon_int.c), linked alone (no libggml: the family files use only ggml.h's types; scratch.c and
+ * on AArch64 (with -DPARITY_INT16: the integer families, kernels_avx2_int.c / kernels_neon_int.c), linked alone (no libggml: the family files use only ggml.h's types; scratch.c, os.c and
  * the architecture's cpu_feats.c are linked in, and iq2.c's functions are stubbed below: no IQ2 tables here, so the family never
  * takes an IQ2 base, which no parity case holds; tests/test_kernels.py checks those), so the AArch64
- * build is a static binary that runs under qemu-aarch64-static.
+ * build is a static binary that runs under qemu-aarch64-static. With -DPARITY_X86_ALL every x86
+ * family is linked in (the tile families' few ggml calls stubbed below) and --family names the one to
+ * run: wine_parity.sh builds that for Linux and for Windows and compares the two.
  *
- *   kernel_parity VECTORS [-v] [--dump FILE]
+ *   kernel_parity VECTORS [--family NAME] [-v] [--dump FILE]
  *       VECTORS  written by native/tests/make_parity_vectors.py
  *       --dump   write every result of the batches of 16 (f32, case by case, mode by mode, column by
  *                column) to FILE: the families of two architectures can then be compared bit for bit
@@ -34,7 +36,13 @@
 #include "bitsplit.h"
 #include "bs_internal.h"
 
-#if defined(PARITY_INT16) && defined(__x86_64__)
+#if defined(PARITY_X86_ALL) && defined(__x86_64__)
+/* every x86 family linked in, the one to run named by --family (wine_parity.sh, which builds the
+ * harness for Linux and for Windows and compares the two builds' results bit for bit) */
+#define PARITY_ANY_FAMILY 1
+extern const bs_kernel_family bs_family_avx2_f32, bs_family_avx2_int16, bs_family_avxvnni_int16,
+    bs_family_avx512vnni_int16, bs_family_vnni_int24, bs_family_avx512_bf16, bs_family_amx_bf16;
+#elif defined(PARITY_INT16) && defined(__x86_64__)
 extern const bs_kernel_family bs_family_avx2_int16;
 #define FAMILY bs_family_avx2_int16
 #elif defined(PARITY_INT16) && defined(__aarch64__)
@@ -50,18 +58,39 @@ extern const bs_kernel_family bs_family_neon_f32;
 #error "kernel_parity: no SIMD kernel family for this architecture"
 #endif
 
-#ifdef PARITY_INT16
-/* the integer families (-DPARITY_INT16: kernels_avx2_int.c / kernels_neon_int.c) round each
+/* the tolerance of each mode (W2+R, R, W2, W2 draft, W2+R act8) against the float64 products, as a
+ * fraction of the case and mode's max|ref|: the float families 1e-5; the integer families round each
  * activation to 2^-15 of its block's largest value (16 bits), and the residual alone to its high
- * digit (8 bits) in blocks without an outlier: held to those roundings' size against the float64
- * products (tests/test_kernels.py holds avx2-int16 to 1e-5 against its own rounding's product;
- * neon_qemu.sh requires the two integer families to agree bit for bit) */
-/* W2+R, R, W2, W2 draft (one 8-bit digit per value: the vectors hold an outlier channel, 60x the
- * others, which takes most of its block's scale), W2+R with 8-bit verifier activations (job.act8:
- * as R alone) */
-static const double TOL_MODE[5] = {1e-3, 5e-2, 1e-3, 2e-1, 5e-2};
+ * digit (8 bits) in blocks without an outlier: held to those roundings' size (tests/test_kernels.py
+ * holds avx2-int16 to 1e-5 against its own rounding's product; neon_qemu.sh requires the two integer
+ * families to agree bit for bit); mode 3, the draft, takes one 8-bit digit per value (the vectors
+ * hold an outlier channel, 60x the others, which takes most of its block's scale); mode 4 rounds the
+ * verifier's activations to 8 bits as the residual alone does. The bf16 families round activations
+ * to bf16 (8 significant bits) in every mode. */
+#define TOL_F32_INIT {1e-5, 1e-5, 1e-5, 1e-5, 1e-5}
+#define TOL_INT_INIT {1e-3, 5e-2, 1e-3, 2e-1, 5e-2}
+#define TOL_BF16_INIT {2e-2, 5e-2, 2e-2, 2e-1, 5e-2}
+
+#ifdef PARITY_ANY_FAMILY
+#define PARITY_SKIPS_MODES 1
+static const double TOL_F32[5] = TOL_F32_INIT, TOL_INT[5] = TOL_INT_INIT, TOL_BF16[5] = TOL_BF16_INIT;
+static const struct {
+    const bs_kernel_family * fam;
+    const double * tol;
+} FAMILIES[] = {
+    {&bs_family_avx2_f32, TOL_F32},         {&bs_family_avx2_int16, TOL_INT},   {&bs_family_avxvnni_int16, TOL_INT},
+    {&bs_family_avx512vnni_int16, TOL_INT}, {&bs_family_vnni_int24, TOL_INT},   {&bs_family_avx512_bf16, TOL_BF16},
+    {&bs_family_amx_bf16, TOL_BF16},
+};
+static const bs_kernel_family * fam_p;
+static const double * TOL_MODE;
+#define FAMILY (*fam_p)
+#elif defined(PARITY_INT16)
+#define PARITY_SKIPS_MODES 0
+static const double TOL_MODE[5] = TOL_INT_INIT;
 #else
-static const double TOL_MODE[5] = {1e-5, 1e-5, 1e-5, 1e-5, 1e-5};
+#define PARITY_SKIPS_MODES 0
+static const double TOL_MODE[5] = TOL_F32_INIT;
 #endif
 #define PAD_X 8  /* ldx = K + PAD_X */
 #define PAD_Y 3  /* ldy = N + PAD_Y */
@@ -77,6 +106,32 @@ bool bs_iq_decoder_agrees(enum ggml_type type, void (*decode)(enum ggml_type typ
     (void)decode;
     return false;
 }
+
+static bool block_of(uint32_t t, int64_t * blck, size_t * bytes);
+
+#ifdef PARITY_ANY_FAMILY
+/* the tile families ask ggml for block sizes and turn a base type they have no decoder of into f32
+ * through ggml's dequantizer (util.c): the types of this file are known here, and each has its
+ * decoder, so no row reaches bs_dequant_row */
+int64_t ggml_blck_size(enum ggml_type type) {
+    int64_t blck = 0;
+    size_t bytes = 0;
+    return block_of((uint32_t)type, &blck, &bytes) ? blck : 0;
+}
+size_t ggml_type_size(enum ggml_type type) {
+    int64_t blck = 0;
+    size_t bytes = 0;
+    return block_of((uint32_t)type, &blck, &bytes) ? bytes : 0;
+}
+bool bs_type_readable(enum ggml_type type) { return ggml_blck_size(type) > 0; }
+void bs_dequant_row(enum ggml_type type, const void * row, float * out, int64_t k) {
+    (void)row;
+    (void)out;
+    (void)k;
+    fprintf(stderr, "kernel_parity: a family asked ggml's dequantizer for type %d (not linked here)\n", (int)type);
+    exit(2);
+}
+#endif
 
 static const char * type_name(uint32_t t) {
     switch (t) {
@@ -139,31 +194,44 @@ typedef struct {
 #define N_MODES 5
 static const char * MODE[N_MODES] = {"W2+R", "R", "W2", "W2 draft", "W2+R act8"};
 
+/* the job of one run: y (n_cols columns of ldy = N + PAD_Y) = the product of the case in this mode
+ * (accumulate: y += it) */
+static void make_job(const pcase * c, int mode, int n_cols, const float * xpad, float * y, bool accumulate,
+                     bs_job * job) {
+    memset(job, 0, sizeof(*job));
+    job->w2 = mode == 1 ? NULL : c->w2;
+    job->r = mode == 2 || mode == 3 ? NULL : c->r;
+    job->draft = mode == 3;
+    job->act8 = mode == 4;
+    job->w2_type = (enum ggml_type)c->bt;
+    job->r_type = (enum ggml_type)c->rt;
+    job->w2_row_bytes = c->brb;
+    job->r_row_bytes = c->rrb;
+    job->K = c->K;
+    job->N = c->N;
+    job->x = xpad;
+    job->ldx = c->K + PAD_X;
+    job->n_cols = n_cols;
+    job->y = y;
+    job->ldy = c->N + PAD_Y;
+    job->accumulate = accumulate;
+    /* the families serve the default (BF16) precision; F32 belongs to the generic family */
+    job->precision = BITSPLIT_PREC_BF16;
+}
+
+static bool mode_supported(const pcase * c, int mode) {
+    bs_job job;
+    make_job(c, mode, 1, NULL, NULL, false, &job);
+    return FAMILY.supports(&job);
+}
+
 /* one run: y (n_cols columns of ldy = N + PAD_Y, padding set to SENTINEL) = the product; rows in
  * calls of `split` rows (0: one call); accumulate adds to what y holds */
 static bool run(const pcase * c, int mode, int n_cols, const float * xpad, float * y, int64_t split, bool accumulate,
                 bs_scratch * scratch) {
     const int64_t K = c->K, N = c->N;
     bs_job job;
-    memset(&job, 0, sizeof(job));
-    job.w2 = mode == 1 ? NULL : c->w2;
-    job.r = mode == 2 || mode == 3 ? NULL : c->r;
-    job.draft = mode == 3;
-    job.act8 = mode == 4;
-    job.w2_type = (enum ggml_type)c->bt;
-    job.r_type = (enum ggml_type)c->rt;
-    job.w2_row_bytes = c->brb;
-    job.r_row_bytes = c->rrb;
-    job.K = K;
-    job.N = N;
-    job.x = xpad;
-    job.ldx = K + PAD_X;
-    job.n_cols = n_cols;
-    job.y = y;
-    job.ldy = N + PAD_Y;
-    job.accumulate = accumulate;
-    /* the families serve the default (BF16) precision; F32 belongs to the generic family */
-    job.precision = BITSPLIT_PREC_BF16;
+    make_job(c, mode, n_cols, xpad, y, accumulate, &job);
     if (!FAMILY.supports(&job)) {
         fail("%s does not support %s + %s (%s), K=%lld", FAMILY.name, type_name(c->bt), type_name(c->rt), MODE[mode],
              (long long)K);
@@ -172,7 +240,7 @@ static bool run(const pcase * c, int mode, int n_cols, const float * xpad, float
     const size_t as = FAMILY.acts_size(&job);
     void * acts = NULL;
     if (as > 0) {
-        if (posix_memalign(&acts, 64, as + 64) != 0) {
+        if ((acts = bs_aligned_alloc(64, as + 64)) == NULL) {
             fail("out of memory");
             return false;
         }
@@ -186,7 +254,7 @@ static bool run(const pcase * c, int mode, int n_cols, const float * xpad, float
             FAMILY.rows(&job, r0, r0 + split < N ? r0 + split : N, scratch);
         }
     }
-    free(acts);
+    bs_aligned_free(acts);
     return true;
 }
 
@@ -199,14 +267,39 @@ int main(int argc, char ** argv) {
             verbose = 1;
         } else if (strcmp(argv[i], "--dump") == 0 && i + 1 < argc) {
             dump_path = argv[++i];
+#ifdef PARITY_ANY_FAMILY
+        } else if (strcmp(argv[i], "--family") == 0 && i + 1 < argc) {
+            const char * name = argv[++i];
+            for (size_t k = 0; k < sizeof(FAMILIES) / sizeof(FAMILIES[0]); k++) {
+                if (strcmp(FAMILIES[k].fam->name, name) == 0) {
+                    fam_p = FAMILIES[k].fam;
+                    TOL_MODE = FAMILIES[k].tol;
+                }
+            }
+            if (fam_p == NULL) {
+                fprintf(stderr, "kernel_parity: --family %s: not one of this build's families:", name);
+                for (size_t k = 0; k < sizeof(FAMILIES) / sizeof(FAMILIES[0]); k++) {
+                    fprintf(stderr, " %s", FAMILIES[k].fam->name);
+                }
+                fputc('\n', stderr);
+                return 2;
+            }
+#endif
         } else {
             path = argv[i];
         }
     }
+#ifdef PARITY_ANY_FAMILY
+    if (path == NULL || fam_p == NULL) {
+        fprintf(stderr, "usage: kernel_parity VECTORS --family NAME [-v] [--dump FILE]\n");
+        return 2;
+    }
+#else
     if (path == NULL) {
         fprintf(stderr, "usage: kernel_parity VECTORS [-v] [--dump FILE]\n");
         return 2;
     }
+#endif
     if (!FAMILY.available()) {
         printf("kernel_parity: SKIP: %s, this CPU cannot run it\n", FAMILY.name);
         return 77;
@@ -236,7 +329,7 @@ int main(int argc, char ** argv) {
     }
     bs_scratch scratch = {NULL, 0};
     double worst = 0.0;
-    int n_checked = 0, n_runs = 0;
+    int n_checked = 0, n_runs = 0, n_unsupported = 0;
     const char * worst_at = "";
     static char worst_buf[160];
     for (uint32_t ci = 0; ci < n_cases; ci++) {
@@ -278,6 +371,13 @@ int main(int argc, char ** argv) {
             for (int p = 0; p < PAD_X; p++) xpad[col * ldx + K + p] = NAN; /* never read */
         }
         for (int mode = 0; mode < N_MODES; mode++) {
+            /* the bf16 families take W2 + R alone (the base alone and the draft are other families'):
+             * with every family linked in, a mode a family does not take is counted, not run; the
+             * one-family builds take every mode (run() fails a mode that is not taken) */
+            if (PARITY_SKIPS_MODES && !mode_supported(&c, mode)) {
+                n_unsupported++;
+                continue;
+            }
             const double * ref = c.ref + (size_t)(mode == 3 ? 2 : mode == 4 ? 0 : mode) * max_cols * N;
             double scale = 0.0, err = 0.0;
             for (int64_t i = 0; i < (int64_t)max_cols * N; i++) scale = fmax(scale, fabs(ref[i]));
@@ -390,9 +490,14 @@ int main(int argc, char ** argv) {
     if (dump != NULL && fclose(dump) != 0) {
         fail("cannot write %s", dump_path);
     }
-    free(scratch.buf);
+    bs_aligned_free(scratch.buf);
+    char skipped[64] = "";
+    if (n_unsupported > 0) {
+        snprintf(skipped, sizeof(skipped), ", %d case modes the family does not take", n_unsupported);
+    }
     printf("kernel_parity: %s: %s, %d cases, worst error %.3g%s (%d runs, batches 1,2,3,5,16, tolerance %.0e "
-           "W2+R, %.0e R, %.0e W2, %.0e W2 draft, %.0e W2+R act8)\n", n_fail == 0 && n_checked > 0 ? "PASS" : "FAIL",
-           FAMILY.name, n_checked, worst, worst_at, n_runs, TOL_MODE[0], TOL_MODE[1], TOL_MODE[2], TOL_MODE[3], TOL_MODE[4]);
+           "W2+R, %.0e R, %.0e W2, %.0e W2 draft, %.0e W2+R act8%s)\n", n_fail == 0 && n_checked > 0 ? "PASS" : "FAIL",
+           FAMILY.name, n_checked, worst, worst_at, n_runs, TOL_MODE[0], TOL_MODE[1], TOL_MODE[2], TOL_MODE[3], TOL_MODE[4],
+           skipped);
     return n_fail == 0 && n_checked > 0 ? 0 : 1;
 }

@@ -63,13 +63,13 @@ build() { # build OUTPUT COMPILER FAMILY_FILE [FLAGS...]: a cached binary linked
     local key feats
     feats="$(dirname "$fam")/cpu_feats.c" # what the family's `available` asks (linked with it)
     # (the family's directory's headers too: avx2_quants.h)
-    key=$( { cat native/tests/kernel_parity.c native/scratch.c "$feats" "$fam" native/bs_internal.h native/bitsplit.h \
-                 native/cpu_feats.h "$INC/ggml.h"
+    key=$( { cat native/tests/kernel_parity.c native/scratch.c native/os.c "$feats" "$fam" native/bs_internal.h \
+                 native/bs_os.h native/bitsplit.h native/cpu_feats.h "$INC/ggml.h"
              find "$(dirname "$fam")" -maxdepth 1 -name '*.h' | sort | xargs -r cat
              "$cc" --version; echo "$* ${FLAGS[*]}"; } | sha256sum | cut -c1-16)
     local bin="$CACHE/$key/$(basename "$out")"
     if [[ ! -x "$bin" || -n "${NEON_QEMU_NO_CACHE:-}" ]]; then
-        "$cc" "${FLAGS[@]}" "$@" native/tests/kernel_parity.c native/scratch.c "$feats" "$fam" -o "$out.tmp" -lm || return 1
+        "$cc" "${FLAGS[@]}" "$@" native/tests/kernel_parity.c native/scratch.c native/os.c "$feats" "$fam" -o "$out.tmp" -lm || return 1
         if mkdir -p "$CACHE/$key" 2>/dev/null && cp "$out.tmp" "$bin.$BASHPID" 2>/dev/null; then
             mv -f "$bin.$BASHPID" "$bin"
         else

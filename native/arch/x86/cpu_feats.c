@@ -8,8 +8,10 @@
 
 #define _GNU_SOURCE
 #include <stdatomic.h>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #include "cpu_feats.h"
 
@@ -93,9 +95,12 @@ bool bs_cpu_amx_ready(void) {
     static atomic_int ready = -1; /* -1: not asked yet */
     int v = atomic_load_explicit(&ready, memory_order_relaxed);
     if (v < 0) {
-        /* Linux hands out the tile state only on request (per process); asking twice is harmless */
-        v = bs_cpu_has(BS_CPU_NEED_AVX512_BF16 | BS_CPU_AMX_TILE | BS_CPU_AMX_BF16) &&
-            syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        v = bs_cpu_has(BS_CPU_NEED_AVX512_BF16 | BS_CPU_AMX_TILE | BS_CPU_AMX_BF16);
+#if defined(__linux__)
+        /* Linux hands out the tile state only on request (per process); asking twice is harmless.
+         * Windows enables it for every process where XCR0 has it (detect: os_tiles) */
+        v = v && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#endif
         atomic_store_explicit(&ready, v, memory_order_relaxed);
     }
     return v == 1;

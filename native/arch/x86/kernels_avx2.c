@@ -24,7 +24,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <pthread.h>
 
 #include "bitsplit.h"
 #include "bs_internal.h"
@@ -101,7 +100,7 @@ TGT static void avx2_deq_block(int t, const uint8_t * b, float * out) {
 static void avx2_deq_iq(enum ggml_type type, const uint8_t * b, float * out) { avx2_deq_block(tcode(b, type), b, out); }
 
 static bool avx2_iq2_ready, avx2_iq3s_ready, avx2_iq1m_ready;
-static pthread_once_t avx2_iq_once = PTHREAD_ONCE_INIT;
+static bs_once avx2_iq_once = BS_ONCE_INIT;
 
 static void avx2_iq_init(void) {
     avx2_iq = bs_iq_get_tables();
@@ -114,7 +113,7 @@ static void avx2_iq_init(void) {
 /* iq2.c's tables read and this family's decoder of the type checked against ggml (once; AVX2
  * CPUs only) */
 static bool avx2_iq_ok(enum ggml_type type) {
-    pthread_once(&avx2_iq_once, avx2_iq_init);
+    bs_once_run(&avx2_iq_once, avx2_iq_init);
     return type == GGML_TYPE_IQ3_S ? avx2_iq3s_ready : type == GGML_TYPE_IQ1_M ? avx2_iq1m_ready : avx2_iq2_ready;
 }
 

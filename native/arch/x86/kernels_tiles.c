@@ -17,7 +17,6 @@
 
 #define _GNU_SOURCE
 #include <immintrin.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -176,7 +175,7 @@ TGT_AVX512 static void deq_q4_1(const uint8_t * b, float * out) {
  * ggml bit for bit for that type; otherwise it keeps going through ggml's. */
 static const bs_iq_tables * iq_tab;
 static bool iq2_ready, iq3s_ready;
-static pthread_once_t iq_once = PTHREAD_ONCE_INIT;
+static bs_once iq_once = BS_ONCE_INIT;
 
 TGT_AVX512 static void deq_iq(enum ggml_type type, const uint8_t * b, float * out); /* below: the decoder checked */
 
@@ -192,7 +191,7 @@ static bool iq_decoded(enum ggml_type type) {
     if (type != GGML_TYPE_IQ2_XXS && type != GGML_TYPE_IQ2_XS && type != GGML_TYPE_IQ3_S) {
         return false;
     }
-    pthread_once(&iq_once, iq_init);
+    bs_once_run(&iq_once, iq_init);
     return type == GGML_TYPE_IQ3_S ? iq3s_ready : iq2_ready;
 }
 
@@ -695,10 +694,10 @@ TGT_AVX512 static void amx_prepare_acts(const bs_job * job, int64_t c0, int64_t 
 TGT_AMX static void store_tiles(const bs_job * job, int64_t r0, int64_t rows, int64_t c0, int64_t ng, float * ctmp) {
     for (int64_t gi = 0; gi < ng; gi++) {
         switch (gi) {
-            case 0: _tile_stored(0, ctmp, 64); break;
-            case 1: _tile_stored(1, ctmp, 64); break;
-            case 2: _tile_stored(2, ctmp, 64); break;
-            default: _tile_stored(3, ctmp, 64); break;
+            case 0: BS_TILE_STORED(0, ctmp, 64); break;
+            case 1: BS_TILE_STORED(1, ctmp, 64); break;
+            case 2: BS_TILE_STORED(2, ctmp, 64); break;
+            default: BS_TILE_STORED(3, ctmp, 64); break;
         }
         const int64_t cbase = c0 + gi * 16;
         const int64_t ncol = job->n_cols - cbase < 16 ? job->n_cols - cbase : 16;
@@ -721,7 +720,7 @@ TGT_AMX static inline void store_cfg(bs_tile_cfg * c) { __asm__ volatile("sttile
 /* One K-chunk for up to 4 groups of 16 columns: tile 4 holds the W2 chunk (when there is a base),
  * tile 5 the residual chunk; activation tiles alternate between 6 and 7, accumulators are 0..3. */
 #define BS_GROUP(C, B, OFF)                  \
-    _tile_loadd(B, bt + (OFF) * gstride, 64); \
+    BS_TILE_LOADD(B, bt + (OFF) * gstride, 64); \
     if (base) _tile_dpbf16ps(C, 4, B);        \
     _tile_dpbf16ps(C, 5, B);
 #define BS_TILE_GROUPS(bt, gstride, ng, base) \
@@ -746,8 +745,8 @@ TGT_AMX static void amx_block_product(const bs_job * job, const uint16_t * abuf,
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kc = 0; kc < nkc; kc++) {
-            if (base) _tile_loadd(4, abuf + (size_t)kc * TILE_WORDS, 64);
-            _tile_loadd(5, rbuf + (size_t)kc * TILE_WORDS, 64);
+            if (base) BS_TILE_LOADD(4, abuf + (size_t)kc * TILE_WORDS, 64);
+            BS_TILE_LOADD(5, rbuf + (size_t)kc * TILE_WORDS, 64);
             const uint16_t * bt = acts + ((size_t)g0 * (size_t)nkc + (size_t)kc) * TILE_WORDS;
             BS_TILE_GROUPS(bt, gstride, ng, base)
         }
@@ -772,8 +771,8 @@ TGT_AMX static void amx_block_streaming(const bs_job * job, int64_t r0, uint16_t
     for (int64_t k0 = 0; k0 < K; k0 += ch) {
         unpack_rowblock(job, r0, k0, ch, abuf, rbuf, tmp, false);
         for (int64_t t = 0; t < ch / 32; t++) {
-            if (base) _tile_loadd(4, abuf + (size_t)t * TILE_WORDS, 64);
-            _tile_loadd(5, rbuf + (size_t)t * TILE_WORDS, 64);
+            if (base) BS_TILE_LOADD(4, abuf + (size_t)t * TILE_WORDS, 64);
+            BS_TILE_LOADD(5, rbuf + (size_t)t * TILE_WORDS, 64);
             const uint16_t * bt = acts + (size_t)(k0 / 32 + t) * TILE_WORDS;
             BS_TILE_GROUPS(bt, gstride, ng, base)
         }

@@ -196,10 +196,10 @@ TGT_AMX static void run_amx(int64_t n) {
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    _tile_loadd(4, zeros, 64);
-    _tile_loadd(5, zeros, 64);
-    _tile_loadd(6, zeros, 64);
-    _tile_loadd(7, zeros, 64);
+    BS_TILE_LOADD(4, zeros, 64);
+    BS_TILE_LOADD(5, zeros, 64);
+    BS_TILE_LOADD(6, zeros, 64);
+    BS_TILE_LOADD(7, zeros, 64);
     for (int64_t i = 0; i < n; i++) {
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
