@@ -644,14 +644,19 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the profile as one JSON line."),
 ) -> None:
     """The machine as bitsplit sees it: CPU and ISA, kernel family per batch size, memory bandwidth, each family's
-    peak per core, the residual product's throughput per family and batch and its share of that peak, stock ggml's
-    on the same bytes, llama.cpp's devices (measured once per machine and native build, then cached)."""
+    peak per core, the residual product's throughput per family and batch and its share of that peak, the verifier's
+    (W2 + R) per family and batch, stock ggml's on the same bytes, llama.cpp's devices (measured once per machine
+    and native build, then cached)."""
     from .tools.machine import machine_profile
 
     from .runtime import rpc as rpc_mod
 
+    from .native import policy
+
     p = machine_profile(refresh=refresh, quick=quick, threads=threads, log=_say)
     p["rpc_backend"] = rpc_mod.available()  # of the installed llama-cpp-python, not cached
+    # the policy split models take from this profile (native.policy.apply_measured; not cached: derived)
+    p["measured_policy"] = {"with_base": policy.measured_steps(p, False), "alone": policy.measured_steps(p, True)}
     if as_json:
         _print_json(p)
         return
@@ -679,6 +684,15 @@ def doctor(
               "16-bit integer families (8: the high digit alone where a block has no outlier)")
     print("measured     R alone, fastest here: " + by_family(p["fastest_by_batch_alone"])
           + " (--tree-nodes auto times the families on the model; every generation pins one, whatever its tree)")
+    if p.get("fastest_by_batch_with_base"):
+        print("measured     W2+R, fastest here: " + by_family(p["fastest_by_batch_with_base"]))
+
+    def steps(st: list) -> str:
+        return "; ".join(f"to {c} columns: {f}" for c, f in st) + ", then the built-in order" if st else "the built-in order"
+    mp = p["measured_policy"]
+    print(f"measured policy  W2 + R: {steps(mp['with_base'])}; R alone: {steps(mp['alone'])} (what split models put "
+          f"first from this profile, unless BITSPLIT_POLICY=builtin; the built-in pick stays where it is within "
+          f"{100 * (policy.MEASURED_MARGIN - 1):.0f}% of the fastest)")
     print(f"memory       {p['memory_bandwidth_gb_s']:.1f} GB/s (threaded numpy reduction)")
     peaks = p.get("peaks") or {}
     for i, fam in enumerate(peaks):  # each family's multiply step timed in registers, one core
@@ -700,12 +714,16 @@ def doctor(
                 "Gw.col/s/core", "of peak", "vs ggml"):
         t.add_column(col, justify="left" if col in ("product", "family") else "right", no_wrap=True,
                      min_width=len("avx512-bf16*") if col == "family" else None)
-    rows = ([("R.x", r) for r in p["residual"]] + [("(W2+R).x", r) for r in p["with_base"]]
+    # (W2+R).x: every family at its batches (the policy's marked *), then the policy's family at the
+    # batches timed against stock Q8_0 (its vs ggml; the same product as a marked row where both have it)
+    rows = ([("R.x", r) for r in p["residual"]] + [("(W2+R).x", r) for r in p.get("with_base_by_family", [])]
+            + [("(W2+R).x", r) for r in p["with_base"]]
             + [("ggml Q6_K", r) for r in p["ggml_reference"]] + [("ggml Q8_0", r) for r in p.get("ggml_q8_0", [])]
             + [("ggml Q2_K base", r) for r in p.get("ggml_base", [])]
             + [("W2.x draft", r) for r in p.get("native_draft", [])])
+    per_family = {id(r) for r in p["residual"] + p.get("with_base_by_family", [])}  # where * says which is the policy's
     for what, r in rows:
-        fam = r["family"] + ("*" if r.get("policy") and what == "R.x" else "")
+        fam = r["family"] + ("*" if r.get("policy") and id(r) in per_family else "")
         use = f"{100 * r['bandwidth_use']:.0f}%" if r["bandwidth_use"] is not None else "-"
         ratio = r.get("vs_ggml", r.get("vs_ggml_q8_0"))
         vs = f"{ratio:.2f}x" if ratio is not None else ""
@@ -717,10 +735,12 @@ def doctor(
     # at least the table's own width: narrower, rich truncates its figures ("35.…") and labels
     con = Console()
     Console(width=max(con.width, 132)).print(t)
-    print("* the policy's family for that batch. Gw.col/s/core: weights x columns per second and thread, in G; of "
-          "peak: its share of the family's peak/core (R.x rows). vs ggml: speed against stock ggml's product timed "
-          "in turn, the median of their ratio pass by pass: R.x against Q6_K on the same bytes, (W2+R).x against "
-          "the same weights as Q8_0 (a stock Q8_0 model's)")
+    print("* the policy's family for that batch (R.x: for R alone; (W2+R).x: for W2 + R, every family timed in turn; "
+          "the (W2+R).x rows with a vs ggml are the policy's family again, timed in turn with ggml Q8_0). "
+          "Gw.col/s/core: weights x columns per second and thread, in G; of peak: its share of the family's "
+          "peak/core (the rows of every family). vs ggml: speed against stock ggml's product timed in turn, the "
+          "median of their ratio pass by pass: R.x against Q6_K on the same bytes, (W2+R).x against the same "
+          "weights as Q8_0 (a stock Q8_0 model's)")
     print(f"Profile: {p['path']}")
 
 

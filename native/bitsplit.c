@@ -292,6 +292,14 @@ const char * bitsplit_max_isa(void) {
     return bs_isa_name(cap);
 }
 
+int bitsplit_set_measured_policy(bool residual_alone, const int64_t * cols, const char * const * families, int n) {
+    return bs_policy_set_measured(residual_alone, cols, families, n);
+}
+
+int bitsplit_measured_policy(bool residual_alone, int64_t * cols, const char ** families, int max) {
+    return bs_policy_measured(residual_alone, cols, families, max < 0 ? 0 : max);
+}
+
 int bitsplit_kernel_families(const char ** names, int max) {
     const bs_kernel_family * list[BS_MAX_FAMILIES];
     const int n = bs_policy_list(1, false, NULL, list, BS_MAX_FAMILIES);

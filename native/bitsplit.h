@@ -191,6 +191,16 @@ const char * bitsplit_kernel_for_batch(int64_t n_cols, bool residual_alone);
 /* the families this CPU runs under the cap, fastest for one column first; returns how many
  * (names[] gets at most max of them) */
 int bitsplit_kernel_families(const char ** names, int max);
+/* A kernel policy measured on this machine (bitsplit doctor's profile: the fastest family per batch,
+ * read by bitsplit_llama.native.policy.apply_measured): for a product of n_cols <= cols[i] columns
+ * (the first such i; cols ascending, at most 16 steps), families[i] comes first where it runs under
+ * the cap and computes the product; past the last step the built-in order. residual_alone: the table
+ * of R . x alone (add mode), else of W2 + R. n = 0 clears it. BITSPLIT_E_INVALID for a bad n or
+ * cols, BITSPLIT_E_UNSUPPORTED for a name no family of this build has (the table is then unchanged).
+ * Set it before the products it should steer: a generation pins its family when it starts. */
+int bitsplit_set_measured_policy(bool residual_alone, const int64_t * cols, const char * const * families, int n);
+/* the measured table in force: its number of steps (the first max into cols / families) */
+int bitsplit_measured_policy(bool residual_alone, int64_t * cols, const char ** families, int max);
 /* the cap in force ("generic", "avx2" or "neon", "avxvnni", "avx512", "amx"); "generic" for a bad value */
 const char * bitsplit_max_isa(void);
 /* whether the policy's half-rate order is in force: this CPU runs 512-bit operations at half rate

@@ -133,6 +133,11 @@ const bs_kernel_family * bs_family_named(const char * name);
 /* usable families in the policy's order for a batch of n_cols (job: only those that support it;
  * alone: products of the residual alone, as a job without base is) */
 int bs_policy_list(int64_t n_cols, bool alone, const bs_job * job, const bs_kernel_family ** out, int max);
+/* kernels.c: the measured policy (bitsplit_set_measured_policy): steps (cols ascending, family
+ * names of this build) for W2 + R or R alone; and what it holds (n steps; the first max copied) */
+#define BS_MEASURED_MAX 16
+int bs_policy_set_measured(bool alone, const int64_t * cols, const char * const * names, int n);
+int bs_policy_measured(bool alone, int64_t * cols, const char ** names, int max);
 /* the policy's family for a product (job may be NULL: a quantized product of n_cols columns, with
  * the base unless alone) */
 const bs_kernel_family * bs_policy(int64_t n_cols, bool alone, const bs_job * job);

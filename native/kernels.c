@@ -13,6 +13,7 @@
  * native/arch/<arch>/ and produce the same products (their f32 summation order differs).
  */
 #define _GNU_SOURCE
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -346,6 +347,72 @@ static int col_limit(const bs_kernel_family * f, bool alone, bool hr) {
     return alone && f->alone_max_cols > 0 ? f->alone_max_cols : f->max_cols;
 }
 
+/* The measured policy (bs_policy_set_measured): per kind of product (W2 + R, R alone), steps of
+ * (columns, family), columns ascending: a product of n_cols <= cols[i] (the first such i) takes
+ * family[i] first, where it runs under the cap and computes the product; past the last step, or with
+ * none, the built-in order alone. Published by the step count (release / acquire): a product sees the
+ * table before or after a change, never half of one. Set before the products it steers. */
+typedef struct {
+    _Atomic int n;
+    int64_t cols[BS_MEASURED_MAX];
+    const bs_kernel_family * fam[BS_MEASURED_MAX];
+} measured_table;
+static measured_table measured[2]; /* [alone] */
+
+static const bs_kernel_family * family_of_build(const char * name) {
+    for (size_t i = 0; i < N_FAMILIES; i++) {
+        if (strcmp(order_small[i]->name, name) == 0) {
+            return order_small[i];
+        }
+    }
+    return NULL;
+}
+
+int bs_policy_set_measured(bool alone, const int64_t * cols, const char * const * names, int n) {
+    if (n < 0 || n > BS_MEASURED_MAX || (n > 0 && (cols == NULL || names == NULL))) {
+        return BITSPLIT_E_INVALID;
+    }
+    const bs_kernel_family * fams[BS_MEASURED_MAX];
+    for (int i = 0; i < n; i++) {
+        if (cols[i] < 1 || (i > 0 && cols[i] <= cols[i - 1]) || names[i] == NULL) {
+            return BITSPLIT_E_INVALID;
+        }
+        if ((fams[i] = family_of_build(names[i])) == NULL) {
+            return BITSPLIT_E_UNSUPPORTED;
+        }
+    }
+    measured_table * t = &measured[alone ? 1 : 0];
+    atomic_store_explicit(&t->n, 0, memory_order_release);
+    for (int i = 0; i < n; i++) {
+        t->cols[i] = cols[i];
+        t->fam[i] = fams[i];
+    }
+    atomic_store_explicit(&t->n, n, memory_order_release);
+    return BITSPLIT_OK;
+}
+
+int bs_policy_measured(bool alone, int64_t * cols, const char ** names, int max) {
+    const measured_table * t = &measured[alone ? 1 : 0];
+    const int n = atomic_load_explicit(&t->n, memory_order_acquire);
+    for (int i = 0; i < n && i < max; i++) {
+        if (cols != NULL) cols[i] = t->cols[i];
+        if (names != NULL) names[i] = t->fam[i]->name;
+    }
+    return n;
+}
+
+/* the measured family for a product of n_cols, or NULL (no step covers it) */
+static const bs_kernel_family * measured_first(bool alone, int64_t n_cols) {
+    const measured_table * t = &measured[alone ? 1 : 0];
+    const int n = atomic_load_explicit(&t->n, memory_order_acquire);
+    for (int i = 0; i < n; i++) {
+        if (n_cols <= t->cols[i]) {
+            return t->fam[i];
+        }
+    }
+    return NULL;
+}
+
 int bs_policy_list(int64_t n_cols, bool alone, const bs_job * job, const bs_kernel_family ** out, int max) {
     int cap;
     bs_isa_cap(&cap);
@@ -356,6 +423,14 @@ int bs_policy_list(int64_t n_cols, bool alone, const bs_job * job, const bs_kern
     const bool hr = half_rate_in_force(cap);
     const bs_kernel_family * const * order = policy_order(small, hr);
     int n = 0;
+    /* first the family this machine measured fastest for this batch, where there is one (and it
+     * runs and computes the job); then the built-in order */
+    const bs_kernel_family * m = measured_first(alone, n_cols);
+    if (m != NULL && m != &generic_family && max > 0 && usable(m, cap) && (job == NULL || m->supports(job))) {
+        out[n++] = m;
+    } else {
+        m = NULL;
+    }
     /* pass 0: the families for this batch in the order's sequence; pass 1: those past their
      * max_cols, which still compute it (before generic, the last resort) */
     for (int pass = 0; pass < 2; pass++) {
@@ -363,7 +438,7 @@ int bs_policy_list(int64_t n_cols, bool alone, const bs_job * job, const bs_kern
             const bs_kernel_family * f = order[i];
             const int limit = col_limit(f, alone, hr);
             const bool past = limit > 0 && n_cols > limit;
-            if (f == &generic_family || past != (pass == 1)) {
+            if (f == &generic_family || f == m || past != (pass == 1)) {
                 continue;
             }
             if (usable(f, cap) && (job == NULL || f->supports(job))) {

@@ -12,6 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # thread (BS_THREAD_MIN_BYTES), and nothing here would run the pool's threads together. Every
 # thread takes part, as on real models (the sizing itself: native/tests/test_native.c).
 os.environ.setdefault("BITSPLIT_THREAD_MIN_KB", "0")
+# The tests assert the built-in kernel policy: a `bitsplit doctor` profile in the cache (a developer's
+# machine) would otherwise reorder the families (tests/test_policy_measured.py turns it on itself).
+os.environ.setdefault("BITSPLIT_POLICY", "builtin")
 
 from synth import write_tiny_llama  # noqa: E402
 

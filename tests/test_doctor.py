@@ -17,10 +17,12 @@ from bitsplit_llama.cli import main
 from bitsplit_llama.native import policy
 
 KEYS = ("memory_bandwidth_gb_s", "kernel_by_batch", "residual", "cpu", "isa", "families", "max_isa", "draft_kernel",
-        "threads", "ggml_reference", "devices")
+        "threads", "ggml_reference", "devices", "with_base_by_family", "fastest_by_batch_with_base")
 ROW_KEYS = ("family", "batch", "gb_per_s", "gb_per_s_per_core", "bandwidth_use", "gw_cols_per_s_per_core")
 #: the batches R . x is measured at for every family
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
+#: the batches (W2 + R) . x is measured at for every family (the measured kernel policy's input)
+WITH_BASE_FAMILY_BATCHES = (1, 2, 4, 8, 16)
 
 
 @pytest.fixture()
@@ -47,8 +49,11 @@ def positive(x) -> bool:
 
 
 def check_profile(p: dict) -> None:
+    from bitsplit_llama.tools.machine import PROFILE_VERSION
+
     for k in KEYS:
         assert k in p, k
+    assert p["version"] == PROFILE_VERSION == 8
     fams = policy.families()
     assert p["families"] == fams and p["max_isa"] == policy.max_isa() and p["draft_kernel"] == policy.draft_kernel()
     assert p["half_rate_512"] is policy.half_rate_512()
@@ -61,7 +66,8 @@ def check_profile(p: dict) -> None:
     assert p["kernel_by_batch_alone"] == alone
     assert p["threads"] >= 1 and positive(p["memory_bandwidth_gb_s"])
     assert {(r["family"], r["batch"]) for r in p["residual"]} == {(f, b) for f in fams for b in BATCHES}
-    for r in p["residual"] + p["with_base"] + p["ggml_reference"] + p["ggml_q8_0"] + p["ggml_base"] + p["native_draft"]:
+    for r in (p["residual"] + p["with_base"] + p["with_base_by_family"] + p["ggml_reference"] + p["ggml_q8_0"]
+              + p["ggml_base"] + p["native_draft"]):
         for k in ROW_KEYS:
             assert k in r, (k, r)
         assert r["family"] in fams or r["family"] == "ggml", r
@@ -76,6 +82,7 @@ def check_profile(p: dict) -> None:
     check_peaks(p)
     for r in p["residual"]:  # the policy's family (for R . x alone) is flagged as such
         assert r["policy"] == (r["family"] == p["kernel_by_batch_alone"][str(r["batch"])])
+    check_with_base_by_family(p)
     # the verifier's pass at the small batches a chain or a small tree verifies, and at 16
     assert [(r["batch"], r["family"]) for r in p["with_base"]] == [(b, p["kernel_by_batch"][str(b)]) for b in (1, 2, 4, 16)]
     assert {r["batch"] for r in p["ggml_reference"]} == {1, 16}  # llama-cpp-python's ggml is always there
@@ -104,6 +111,35 @@ def check_profile(p: dict) -> None:
     assert any(d["type"] == "cpu" for d in p["devices"])
 
 
+def check_with_base_by_family(p: dict) -> None:
+    """(W2 + R) . x for every SIMD family at 1, 2, 4, 8 and 16 columns, each family pinned with set_kernel and
+    timed in turn with the others at its batch; the policy's family for W2 + R flagged, the family
+    measured fastest per batch named."""
+    from bitsplit_llama.tools.machine import fastest_by_batch
+
+    fams = [f for f in p["families"] if f != "generic"] or p["families"]  # generic only where it is alone
+    rows = p["with_base_by_family"]
+    assert [(r["batch"], r["family"]) for r in rows] == [(b, f) for b in WITH_BASE_FAMILY_BATCHES for f in fams]
+    s = p["synthetic"]
+    res_bytes = {r["batch"]: r["bytes"] for r in p["residual"]}
+    for r in rows:
+        assert r["pinned_by"] == "set_kernel" and r["passes"] >= 1, r
+        assert r["policy"] == (r["family"] == p["kernel_by_batch"][str(r["batch"])]), r
+        # a pass reads the base as well as the residual: all of them, whichever family computes it
+        assert r["bytes"] > res_bytes[r["batch"]], r
+        assert r["bytes"] == res_bytes[r["batch"]] + s["base_bytes"], r
+    # the families of one batch are timed in turn: as many rounds each
+    for b in WITH_BASE_FAMILY_BATCHES:
+        assert len({r["passes"] for r in rows if r["batch"] == b}) == 1, b
+    # where the policy's row is measured in both lists it is the same product (the same bytes)
+    for w in p["with_base"]:
+        same = [r for r in rows if r["batch"] == w["batch"] and r["policy"]]
+        assert len(same) == 1 and same[0]["family"] == w["family"] and same[0]["bytes"] == w["bytes"], (w, same)
+    assert p["fastest_by_batch_with_base"] == fastest_by_batch(rows) == {
+        str(b): max((r for r in rows if r["batch"] == b), key=lambda r: r["gb_per_s"])["family"]
+        for b in WITH_BASE_FAMILY_BATCHES}
+
+
 def check_peaks(p: dict) -> None:
     """Each family's peak (its multiply step in registers, one core) and each R . x row's rate in
     weight.columns per second and core, consistent with the row's own time, and its share of the
@@ -119,14 +155,14 @@ def check_peaks(p: dict) -> None:
             assert p["peaks"][f] is None or positive(p["peaks"][f])
     s = p["synthetic"]
     weights = s["tensors"] * s["ne0"] * s["ne1"]
-    for r in p["residual"] + p["with_base"] + p["ggml_reference"] + p["native_draft"]:
+    for r in p["residual"] + p["with_base"] + p["with_base_by_family"] + p["ggml_reference"] + p["native_draft"]:
         rate = r["gw_cols_per_s_per_core"]  # G weights x columns / s / thread, from the row's own time
         assert positive(rate), r
         # "seconds" is rounded to the microsecond: up to 0.5% of a quick profile's shortest pass
         tol = 1e-3 + 1e-6 / r["seconds"]
         assert rate == pytest.approx(weights * r["batch"] / r["seconds"] / p["threads"] / 1e9, rel=tol, abs=2e-4), r
         assert rate == pytest.approx(r["weights_per_s_per_core"] * r["batch"] / 1e9, rel=1e-3, abs=2e-4), r
-    for r in p["residual"]:
+    for r in p["residual"] + p["with_base_by_family"]:
         peak = p["peaks"][r["family"]]
         assert r["peak_gw_per_s_per_core"] == peak, r
         if peak is None:
@@ -192,9 +228,24 @@ def test_doctor_json_cached_refreshed_and_keyed_by_isa_cap(capsys, cache):
 
     fresh, err = doctor(capsys, "--refresh")
     check_profile(fresh)
+    # the measured policy derived from it (not stored: computed from the rows each time)
+    assert fresh["measured_policy"] == {"with_base": [list(x) for x in policy.measured_steps(fresh, False)],
+                                        "alone": [list(x) for x in policy.measured_steps(fresh, True)]}
+    assert fresh["measured_policy"]["with_base"] and fresh["measured_policy"]["alone"]
     assert fresh["cached"] is False and "machine profile (quick)" in err and fresh["path"] == first["path"]
     stored = json.loads(open(fresh["path"]).read())
     assert stored["residual"] == fresh["residual"]
+    assert stored["with_base_by_family"] == fresh["with_base_by_family"]
+    assert stored["fastest_by_batch_with_base"] == fresh["fastest_by_batch_with_base"]
+
+    # a profile of an older version (7: no (W2+R).x per family) is measured again, not completed
+    old = {k: v for k, v in stored.items() if k not in ("with_base_by_family", "fastest_by_batch_with_base")}
+    old["version"] = 7
+    with open(fresh["path"], "w") as f:
+        json.dump(old, f)
+    redone, err = doctor(capsys)
+    assert redone["cached"] is False and "stale" in err and redone["version"] == 8
+    check_with_base_by_family(redone)
 
     # another cap is another profile: only the generic family, measured anew
     env = dict(os.environ, BITSPLIT_MAX_ISA="generic", BITSPLIT_CACHE=str(cache))
@@ -205,6 +256,9 @@ def test_doctor_json_cached_refreshed_and_keyed_by_isa_cap(capsys, cache):
     assert g["cached"] is False and g["key"] != first["key"] and g["path"] != first["path"]
     assert g["families"] == ["generic"] and g["max_isa"] == "generic"
     assert {x["family"] for x in g["residual"]} == {"generic"}
+    assert {x["family"] for x in g["with_base_by_family"]} == {"generic"}
+    assert set(g["fastest_by_batch_with_base"].values()) == {"generic"}
+    check_with_base_by_family(g)
     assert set(g["kernel_by_batch"].values()) == {"generic"}
     assert all(positive(x["gb_per_s"]) for x in g["residual"])
     assert list(g["peaks"]) == ["generic"]  # the families of the cap alone
@@ -218,6 +272,17 @@ def test_doctor_human_output(capsys, cache):
         assert fam in out
     assert "memory" in out and "GB/s" in out and "ggml Q6_K" in out and "ggml Q2_K base" in out and "ggml Q8_0" in out
     assert "fastest here: batch 1" in out
+    assert "W2+R, fastest here: batch 1" in out
+    # the table's (W2+R).x rows: every family's (one per family and batch, 1 to 16), then the
+    # policy's family's against ggml Q8_0
+    wb = [line.split() for line in out.splitlines() if line.lstrip().startswith("(W2+R).x")]
+    fams = [f for f in policy.families() if f != "generic"] or policy.families()  # generic only where alone
+    assert {(w[1].rstrip("*"), int(w[2])) for w in wb} == {(f, b) for f in fams for b in WITH_BASE_FAMILY_BATCHES}
+    assert len(wb) == len(fams) * len(WITH_BASE_FAMILY_BATCHES) + 4
+    # the policy split models take from this profile, said in a line
+    assert "measured policy  W2 + R: " in out and "BITSPLIT_POLICY=builtin" in out
+    starred = {int(w[2]): w[1][:-1] for w in wb if w[1].endswith("*")}
+    assert starred == {b: policy.kernel_for_batch(b) for b in WITH_BASE_FAMILY_BATCHES}
     # each family's peak per core, and the R.x rows' rate and share of it
     assert "peak/core" in out and "G weight.column MAC/s" in out and "of peak" in out and "Gw.col/s/core" in out
     # the native drafter's rows in the table too, where this CPU drafts with it (not only in the log)

@@ -149,6 +149,9 @@ class SplitModel:
             self._ctx_kw["flash_attn"] = False
         self.residual = Residual(model_dir, check_fingerprint=check_fingerprint)
         try:
+            # this machine's measured kernel policy (bitsplit doctor's profile), before any product:
+            # the generation's family is chosen from it (native.policy.apply_measured)
+            self.policy = policy.apply_measured()
             self.residual.batch_invariant = batch_invariant
             self.residual.set_precision(precision)
             self.residual.set_act_bits(act_bits)

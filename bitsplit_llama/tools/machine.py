@@ -6,8 +6,14 @@ the library: the thresholds live only in C), memory bandwidth (a threaded numpy 
 residual product's throughput per family at batch 1, 2, 4, 8, 16, 32 and 64 on a synthetic split of
 at least 83 MB and 4x the last-level cache (up to 1.8 GB), stock ggml's own throughput on the same
 bytes (the families and ggml timed pass by pass in turn at each batch, so that their ratio,
-``vs_ggml``, is not skewed by drift), each family's peak on one core (its multiply step timed in
-registers by the native library) and each residual row's share of it, and the devices llama.cpp sees.
+``vs_ggml``, is not skewed by drift), and the family measured fastest at each batch
+(``fastest_by_batch_alone``); the verifier's product W2 + R . x with the policy's family at batch 1,
+2, 4 and 16 against stock ggml's on the same weights as Q8_0 (``with_base``), and for every SIMD family at
+batch 1, 2, 4, 8 and 16 (``with_base_by_family``, timed in turn at each batch) with the family
+measured fastest at each (``fastest_by_batch_with_base``): the measured kernel policy's input; stock
+ggml on the base's Q2_K bytes and the native drafter (the drafter's rates); each family's peak on one
+core (its multiply step timed in registers by the native library) and each per-family row's share of
+it, and the devices llama.cpp sees.
 
 ``bitsplit doctor`` prints it; ``bitsplit plan`` takes its residual rate per core from it. The
 profile is cached as JSON under ``<cache>/machine/``, keyed by the CPU model and flags, the native
@@ -36,11 +42,13 @@ from .measure import (GGML_BASE_BATCHES, PEAK_INSTRUCTIONS, PEAK_SECONDS, family
                       measure_native_draft, measure_residual, open_ggml, with_peak_share)
 from .synthetic import QUICK, Log, full_size, machine_dir, synthetic_split
 
-PROFILE_VERSION = 7  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
+PROFILE_VERSION = 8  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
 # 4: kernel_by_batch_alone (the policy for R . x alone); 5: R . x timed interleaved with ggml, vs_ggml;
 # ggml_q8_0 (the same weights as Q8_0) interleaved with W2 + R, vs_ggml_q8_0; 6: native_draft at batch 1
 # (the 256-bit integer families draft from 1 column); 7: R . x at every power of two to 64, the families'
-# peaks (peaks, peak_instructions) and each row's weight.columns per second and core and share of its peak
+# peaks (peaks, peak_instructions) and each row's weight.columns per second and core and share of its peak;
+# 8: (W2+R).x for every SIMD family at 1, 2, 4, 8, 16 (with_base_by_family, fastest_by_batch_with_base): the
+# measured policy's input
 
 #: batch sizes the policy is asked about
 POLICY_BATCHES = (1, 2, 4, 5, 8, 16, 32, 64)
@@ -112,7 +120,15 @@ def machine_profile(*, refresh: bool = False, quick: bool = False, threads: Opti
 
 
 def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional[Log] = None) -> dict:
-    """Measure the profile now (no cache). See the module's docstring for what it holds."""
+    """Measure the profile now (no cache), under the built-in kernel policy (its picks are what the
+    rows flag ``policy``, and what a measured policy must beat). See the module's docstring."""
+    from ..native import policy
+
+    with policy.builtin_only():
+        return _measure(threads=threads, quick=quick, log=log)
+
+
+def _measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional[Log] = None) -> dict:
     import llama_cpp  # noqa: F401  (loads libggml*: the one ggml of the process)
 
     from ..native import policy
@@ -151,7 +167,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
             refs[which] = (None, 0)
             _say(log, f"  ggml reference ({which}) not measured: {type(exc).__name__}: {exc}")
     try:
-        residual, with_base, ggml, ggml_q8 = measure_residual(
+        residual, with_base, ggml, ggml_q8, with_base_by_family = measure_residual(
             split, size, threads, bw, fams, log, reference=refs["residual"][0], reference_bytes=refs["residual"][1],
             reference_q8=refs["q8_0"][0], reference_q8_bytes=refs["q8_0"][1])
     finally:
@@ -195,6 +211,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "kernel_by_batch": {str(b): policy.kernel_for_batch(b) for b in POLICY_BATCHES},
         "kernel_by_batch_alone": {str(b): policy.kernel_for_batch(b, residual_alone=True) for b in POLICY_BATCHES},
         "fastest_by_batch_alone": fastest_by_batch(residual),
+        "fastest_by_batch_with_base": fastest_by_batch(with_base_by_family),
         "draft_kernel": policy.draft_kernel(),
         "act_bits": act_bits,
         "memory_bandwidth_gb_s": round(bw / 1e9, 3),
@@ -204,6 +221,7 @@ def measure(*, threads: Optional[int] = None, quick: bool = False, log: Optional
         "peak_instructions": {f: PEAK_INSTRUCTIONS.get(f) for f in fams},
         "residual": with_peak_share(residual, peaks),
         "with_base": with_base,
+        "with_base_by_family": with_peak_share(with_base_by_family, peaks),
         "ggml_reference": ggml,
         "ggml_q8_0": ggml_q8,
         "ggml_base": ggml_base,
@@ -248,12 +266,16 @@ def rate_at(rows: list[dict], batch: int, key: str = "weights_per_s_per_core") -
 
 def residual_rate_per_core(profile: dict, batch: int) -> tuple[float, str]:
     """Residual weights/s one core computes at ``batch`` columns with the family the policy picks
-    for that batch, from the profile's measured batches (:func:`rate_at`). Returns (weights/s per
-    core, where the figure comes from)."""
-    fam = profile["kernel_by_batch_alone"].get(str(batch))
-    if fam is None:
-        from ..native import policy
+    for that batch (the measured policy's, :func:`..native.policy.measured_steps`, unless
+    ``BITSPLIT_POLICY=builtin``), from the profile's measured batches (:func:`rate_at`). Returns
+    (weights/s per core, where the figure comes from)."""
+    from ..native import policy
 
+    fam = None
+    if os.environ.get(policy.POLICY_ENV, "") != "builtin" and not os.environ.get("BITSPLIT_KERNEL"):
+        fam = next((f for cols, f in policy.measured_steps(profile, True) if batch <= cols), None)
+    fam = fam or profile["kernel_by_batch_alone"].get(str(batch))
+    if fam is None:
         fam = policy.kernel_for_batch(batch, residual_alone=True)
     rows = [r for r in profile["residual"] if r["family"] == fam] or list(profile["residual"])
     rate, where = rate_at(rows, batch)

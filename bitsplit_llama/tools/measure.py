@@ -1,8 +1,9 @@
 """Timed passes: what the machine profile measures, and ``bitsplit plan --gpu none``'s products.
 
 The residual product per kernel family and batch (:func:`measure_residual`, with stock ggml's product
-on the same bytes timed in turn: ``vs_ggml``), the native drafter (:func:`measure_native_draft`),
-stock ggml alone (:func:`measure_ggml`; its passes are :class:`..formats._ggml.MulMatPasses`), the
+on the same bytes timed in turn: ``vs_ggml``), the verifier's product W2 + R per family too (the
+measured kernel policy's input) and with the policy's family against stock Q8_0, the native drafter
+(:func:`measure_native_draft`), stock ggml alone (:func:`measure_ggml`; its passes are :class:`..formats._ggml.MulMatPasses`), the
 memory bandwidth now (:func:`bandwidth_now`), and one split's own drafter and verify passes
 (:func:`measure_split`). Contenders are timed pass by pass in turn (:func:`interleaved`), so that a
 shared machine's drift falls on each alike.
@@ -28,6 +29,11 @@ from .synthetic import Q8_0_NAME, Log, Size
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 #: batch sizes of the verifier pass (W2 + R) measured with the policy's family
 WITH_BASE_BATCHES = (1, 2, 4, 16)
+#: batch sizes of the verifier pass (W2 + R) measured for every SIMD family (the measured kernel policy's
+#: input); all within PIN_MAX_COLS, so each family is pinned with Residual.set_kernel. The quick size
+#: measures all five too: its passes take 0.2-6 ms, these rows about 0.1 s of a quick profile's ~2 s
+#: (7 families, a 2-core AMD EPYC VM)
+WITH_BASE_FAMILY_BATCHES = (1, 2, 4, 8, 16)
 #: batch sizes of the stock ggml reference
 GGML_BATCHES = (1, 16)
 #: batch sizes of ggml on the base (a drafter pass: a chain drafts 1 row, a tree a few per round)
@@ -171,23 +177,30 @@ def interleaved(passes: dict, size: Size, settle: Optional[dict] = None) -> dict
 def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, families: list[str],
                      log: Optional[Log] = None, reference: Optional[Callable[[int], Callable[[], None]]] = None,
                      reference_bytes: int = 0, reference_q8: Optional[Callable[[int], Callable[[], None]]] = None,
-                     reference_q8_bytes: int = 0) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+                     reference_q8_bytes: int = 0
+                     ) -> tuple[list[dict], list[dict], list[dict], list[dict], list[dict]]:
     """R . x per family and batch (``residual``), stock ggml's product on the same Q6_K bytes at
     GGML_BATCHES (``reference``: make(rows) -> one pass, from :func:`ggml_passes`; rows in the third
-    list), and (W2 + R) . x with the policy's family (``with_base``), each a pass over every tensor
-    of the split in turn (so that, the split being larger than the caches, every pass reads the
-    weights from memory). At each batch the families and ggml are timed pass by pass in turn
+    list), (W2 + R) . x with the policy's family (``with_base``), and (W2 + R) . x per family at
+    WITH_BASE_FAMILY_BATCHES (``with_base_by_family``, the fifth list: each family pinned with
+    ``set_kernel``, the families timed in turn at each batch, no ggml among them; ``policy`` marks
+    the family the policy picks for W2 + R at that batch), each a pass over every tensor of the
+    split in turn (so that, the split being larger than the caches, every pass reads the weights
+    from memory). At each batch the families and ggml are timed pass by pass in turn
     (:func:`interleaved`); a family's row there holds ``vs_ggml``, the median over the rounds of
     ggml's time over the family's (above 1: faster than ggml on the same bytes). Likewise each
-    (W2 + R) . x pass with ggml's product of the same weights as Q8_0 (``reference_q8``; rows in the
-    fourth list): its row's ``vs_ggml_q8_0`` is the verifier's pass against a stock Q8_0 model's."""
+    (W2 + R) . x pass with the policy's family with ggml's product of the same weights as Q8_0
+    (``reference_q8``; rows in the fourth list): its row's ``vs_ggml_q8_0`` is the verifier's pass
+    against a stock Q8_0 model's. Returns (residual, with_base, ggml, ggml_q8, with_base_by_family)."""
     from ..native import policy
     from ..native.residual import Residual
 
     rng = np.random.default_rng(1)
-    xs = {b: rng.standard_normal((b, size.ne0), dtype=np.float32) for b in set(BATCHES) | set(WITH_BASE_BATCHES)}
+    xs = {b: rng.standard_normal((b, size.ne0), dtype=np.float32)
+          for b in set(BATCHES) | set(WITH_BASE_BATCHES) | set(WITH_BASE_FAMILY_BATCHES)}
     residual: list[dict] = []
     with_base: list[dict] = []
+    with_base_by_family: list[dict] = []
     ggml: list[dict] = []
     ggml_q8: list[dict] = []
 
@@ -262,6 +275,25 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
                 _say(log, f"  R.x       {fam:>12} batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
                           f"{row['gb_per_s']:6.2f} GB/s" + ("" if ratio is None else f", {ratio:.2f}x ggml's speed"))
             ggml_row(times, b, reference_bytes, "q6_k", ggml)
+        # (W2 + R) . x for every SIMD family: what a measured policy picks from (no ggml here: the
+        # with_base rows below hold the comparison with stock Q8_0)
+        _say(log, f"  (W2+R).x  every SIMD family, batch {', '.join(map(str, WITH_BASE_FAMILY_BATCHES))}:")
+        # (the portable family, a policy's last resort that no measured policy picks, only where it is alone:
+        # at ~0.5 GB/s it took 25 s of a 116 s full profile)
+        simd = [f for f in families if f != "generic"] or list(families)
+        for b in WITH_BASE_FAMILY_BATCHES:
+            r.set_kernel(None)  # (every batch here is within PIN_MAX_COLS: each family pinned on this context)
+            policy_fam = r.choose_decode_kernel(b)  # the policy's pick for W2 + R (pinned: reset below)
+            passes = {fam: pass_of(r, b, True, fam) for fam in simd}
+            nbytes = {fam: counted(r, passes[fam], True) for fam in simd}  # the counted pass is the warm-up
+            times = interleaved(passes, size)
+            for fam in simd:
+                row = _row(fam, b, statistics.median(times[fam]), nbytes[fam], size.weights, threads, bandwidth,
+                           policy=fam == policy_fam, pinned_by="set_kernel", passes=len(times[fam]))
+                with_base_by_family.append(row)
+                _say(log, f"  (W2+R).x  fam {fam:>16} batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
+                          f"{row['gb_per_s']:6.2f} GB/s" + (" (policy's)" if fam == policy_fam else ""))
+        r.set_kernel(None)  # unpinned: the policy's family below, as before
         for b in WITH_BASE_BATCHES:
             r.set_kernel(None)
             fam = r.choose_decode_kernel(b)
@@ -276,7 +308,7 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
             _say(log, f"  (W2+R).x  {fam:>12} batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
                       f"{row['gb_per_s']:6.2f} GB/s" + ("" if ratio is None else f", {ratio:.2f}x ggml Q8_0's speed"))
             ggml_row(times, b, reference_q8_bytes, "q8_0", ggml_q8)
-    return residual, with_base, ggml, ggml_q8
+    return residual, with_base, ggml, ggml_q8, with_base_by_family
 
 
 def measure_native_draft(split: Path, size: Size, threads: int, bandwidth: float,

@@ -2531,6 +2531,65 @@ static void test_family_peaks(void) {
 #endif
 }
 
+/* bitsplit_set_measured_policy (kernels.c): the measured family first for the batches its steps cover,
+ * the built-in order past them and for the other kind, refusals that change nothing, a family the
+ * CPU does not run passed over, n = 0 back to the built-in order */
+static void test_measured_policy(void) {
+    const char * names[16];
+    const int n = bitsplit_kernel_families(names, 16);
+    if (n < 3) {
+        vlog("  measured policy: %d families, nothing to reorder\n", n);
+        return;
+    }
+    const char * last = names[n - 2]; /* the last SIMD family of the one-column order (generic is last) */
+    char builtin1[32], builtin40[32], alone2[32];
+    snprintf(builtin1, sizeof(builtin1), "%s", bitsplit_kernel_for_batch(1, false));
+    snprintf(builtin40, sizeof(builtin40), "%s", bitsplit_kernel_for_batch(40, false));
+    snprintf(alone2, sizeof(alone2), "%s", bitsplit_kernel_for_batch(2, true));
+    CHECK(strcmp(builtin1, last) != 0, "measured policy: %s is already first", last);
+    const int64_t cols[2] = {4, 16};
+    const char * fams[2] = {last, names[0]};
+    CHECK(bitsplit_set_measured_policy(false, cols, fams, 2) == BITSPLIT_OK, "measured policy: a good table refused");
+    CHECK(strcmp(bitsplit_kernel_for_batch(1, false), last) == 0 && strcmp(bitsplit_kernel_for_batch(4, false), last) == 0,
+          "measured policy: %s not first to 4 columns (%s)", last, bitsplit_kernel_for_batch(1, false));
+    CHECK(strcmp(bitsplit_kernel_for_batch(5, false), names[0]) == 0, "measured policy: step 2 not taken");
+    CHECK(strcmp(bitsplit_kernel_for_batch(40, false), builtin40) == 0, "measured policy: past the last step");
+    CHECK(strcmp(bitsplit_kernel_for_batch(2, true), alone2) == 0, "measured policy: the other kind's table changed");
+    const char * got[4] = {0};
+    int64_t gcols[4] = {0};
+    CHECK(bitsplit_measured_policy(false, gcols, got, 4) == 2 && gcols[0] == 4 && gcols[1] == 16 &&
+              strcmp(got[0], last) == 0 && strcmp(got[1], names[0]) == 0, "measured policy: read back");
+    CHECK(bitsplit_measured_policy(true, gcols, got, 4) == 0, "measured policy: R alone's table set");
+    /* refusals: the table in force stays */
+    const int64_t down[2] = {16, 4}, zero[1] = {0};
+    const char * unknown[1] = {"no-such-family"}, * null_name[1] = {NULL};
+    int64_t many[17];
+    const char * many_f[17];
+    for (int i = 0; i < 17; i++) {
+        many[i] = i + 1;
+        many_f[i] = last;
+    }
+    CHECK(bitsplit_set_measured_policy(false, down, fams, 2) == BITSPLIT_E_INVALID, "measured policy: descending cols");
+    CHECK(bitsplit_set_measured_policy(false, zero, fams, 1) == BITSPLIT_E_INVALID, "measured policy: 0 columns");
+    CHECK(bitsplit_set_measured_policy(false, cols, null_name, 1) == BITSPLIT_E_INVALID, "measured policy: NULL name");
+    CHECK(bitsplit_set_measured_policy(false, NULL, NULL, 1) == BITSPLIT_E_INVALID, "measured policy: NULL arrays");
+    CHECK(bitsplit_set_measured_policy(false, many, many_f, 17) == BITSPLIT_E_INVALID, "measured policy: 17 steps");
+    CHECK(bitsplit_set_measured_policy(false, cols, fams, -1) == BITSPLIT_E_INVALID, "measured policy: n = -1");
+    CHECK(bitsplit_set_measured_policy(false, cols, unknown, 1) == BITSPLIT_E_UNSUPPORTED, "measured policy: unknown");
+    CHECK(bitsplit_measured_policy(false, NULL, NULL, 0) == 2 && strcmp(bitsplit_kernel_for_batch(1, false), last) == 0,
+          "measured policy: a refused table changed the one in force");
+#if defined(__x86_64__)
+    /* a family of this build the CPU does not run: passed over, the built-in order instead */
+    const char * absent = !bs_cpu_has(BS_CPU_AMX_TILE | BS_CPU_AMX_BF16) ? "amx-bf16" : NULL;
+    if (absent != NULL) {
+        CHECK(bitsplit_set_measured_policy(false, cols, &absent, 1) == BITSPLIT_OK, "measured policy: amx-bf16 refused");
+        CHECK(strcmp(bitsplit_kernel_for_batch(1, false), builtin1) == 0, "measured policy: a family this CPU lacks");
+    }
+#endif
+    CHECK(bitsplit_set_measured_policy(false, NULL, NULL, 0) == BITSPLIT_OK, "measured policy: clearing refused");
+    CHECK(strcmp(bitsplit_kernel_for_batch(1, false), builtin1) == 0, "measured policy: not cleared");
+}
+
 static void test_k4_scales(void) {
     uint32_t st = 12345u;
     long bad = 0;
@@ -2770,6 +2829,7 @@ int main(int argc, char ** argv) {
     test_k4_scales();
     test_cpu_feats();
     test_family_peaks();
+    test_measured_policy();
     test_thread_sizing(&m);
     test_valid_load(&m, quick);
     test_scratch_out_of_memory(&m);
