@@ -9,7 +9,12 @@ turn: local, device with overlap, device without (interleaved, ``--repeat`` roun
 pass it reports the add mode's own counters: products completed, how many ran overlapped,
 synchronisations (each observed node stops the device: products, plus the inputs asked for with
 overlap), activation bytes moved each way, time in those transfers, time in ``R·x``, and time the
-graph waited for an overlapped ``R·x``. The last line is one JSON object.
+graph waited for an overlapped ``R·x``. Also timed in turn: the same pass on the device with the
+residual off (``device_ms``: the base's layers alone, what the device costs), so that each mode's
+**overhead per product** = (pass time - max(device time, host ``R·x`` time)) / products, in µs: what
+add mode's synchronisations, copies and waking cost beyond the two computations it overlaps. The
+last line is one JSON object; its top-level ``overhead_per_product_us`` (the median over the batches,
+with overlap) is what ``bitsplit plan`` reads from a ``gpu_check*.json`` (``--product-overhead-us``).
 
 What it implies for a GPU over PCIe (the inputs ``bitsplit plan`` uses): ``plan`` charges each
 hooked product ``2 * latency + activation bytes / B_pcie`` on top of the residual; these figures
@@ -32,11 +37,13 @@ from bitsplit_llama.runtime.verifier import SplitModel  # noqa: E402
 CONTEXT = 64
 
 
-def _pass(sm: SplitModel, rows: int) -> tuple[float, object, object]:
+def _pass(sm: SplitModel, rows: int, verify: bool = True) -> tuple[float, object, object]:
+    """One pass of ``rows`` rows after the context: the verifier's, or (``verify`` False) the base's
+    alone (the residual hook off: on the device model, the device's own time)"""
     sm.ctx.seq_rm(0, CONTEXT, -1)
     c0 = sm.residual.counters()
     t0 = time.perf_counter()
-    with sm.verifying() as ctx:
+    with (sm.verifying() if verify else sm.drafting()) as ctx:
         ctx.decode([300 + i for i in range(rows)], list(range(CONTEXT, CONTEXT + rows)))
         ctx.logits(rows)
     dt = time.perf_counter() - t0
@@ -66,12 +73,14 @@ def main() -> None:
             with sm.verifying() as ctx:
                 ctx.decode([1] + [400 + i for i in range(CONTEXT - 1)], list(range(CONTEXT)), logits=False)
         for rows in batches:
-            times = {"local": [], "overlap": [], "sequential": []}
+            times = {"local": [], "device": [], "overlap": [], "sequential": []}
             per = {"overlap": [], "sequential": []}
             _pass(dev, rows)  # learn the inputs (first pass) and warm up
+            _pass(dev, rows, verify=False)
             _pass(local, rows)
             for _ in range(a.repeat):
                 times["local"].append(_pass(local, rows)[0])
+                times["device"].append(_pass(dev, rows, verify=False)[0])
                 for mode in ("overlap", "sequential"):
                     dev.residual.set_overlap(mode == "overlap")
                     dt, c0, c1 = _pass(dev, rows)
@@ -93,19 +102,28 @@ def main() -> None:
                     "residual_ms": med(lambda x, y: y.seconds_inside - x.seconds_inside),
                     "wait_ms": med(lambda x, y: y.seconds_wait - x.seconds_wait),
                 }
+                # beyond the larger of the device's own pass and the host's R . x (which overlap can hide
+                # behind each other at best): synchronisations, copies, waking, the callback
+                floor = max(row["device_ms"], row[mode]["residual_ms"])
+                row[mode]["overhead_per_product_us"] = round(1e3 * (row[f"{mode}_ms"] - floor) / max(1, prods), 1)
+                row[mode]["syncs_per_product"] = round(row[mode]["syncs"] / max(1, prods), 2)
             row["overlap_gain"] = round(row["sequential_ms"] / row["overlap_ms"], 3)
             row["device_vs_local"] = round(row["overlap_ms"] / row["local_ms"], 3)
             out["batches"][rows] = row
-            print(f"{rows:>3} rows: local {row['local_ms']:.1f} ms, device+overlap {row['overlap_ms']:.1f} ms, "
+            print(f"{rows:>3} rows: local {row['local_ms']:.1f} ms, device alone {row['device_ms']:.1f} ms, "
+                  f"device+overlap {row['overlap_ms']:.1f} ms, "
                   f"device sequential {row['sequential_ms']:.1f} ms (overlap {row['overlap_gain']:.2f}x); per pass "
                   f"{row['overlap']['products']} products ({row['overlap']['overlapped']} overlapped), "
                   f"{row['overlap']['syncs']} syncs, {row['overlap']['bytes_from_device'] / 1e6:.2f} MB from / "
                   f"{row['overlap']['bytes_to_device'] / 1e6:.2f} MB to the device, transfers "
                   f"{row['overlap']['transfer_ms']:.1f} ms, R.x {row['overlap']['residual_ms']:.1f} ms, wait "
-                  f"{row['overlap']['wait_ms']:.1f} ms", file=sys.stderr, flush=True)
+                  f"{row['overlap']['wait_ms']:.1f} ms; overhead per product {row['overlap']['overhead_per_product_us']:.0f} us "
+                  f"(sequential {row['sequential']['overhead_per_product_us']:.0f} us)", file=sys.stderr, flush=True)
     finally:
         dev.close()
         local.close()
+    out["overhead_per_product_us"] = round(statistics.median(
+        r["overlap"]["overhead_per_product_us"] for r in out["batches"].values()), 1)
     print(json.dumps(out))
 
 
