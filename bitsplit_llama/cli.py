@@ -351,13 +351,15 @@ def run(
                 sys.stdout.flush()
         bits = gen.sm.residual.act_bits  # as --act-bits resolved here (read while the model is open)
         vocab = gen.sm.draft_vocab.rows
+        kernel_policy = gen.sm.policy["policy"]  # "measured" (doctor's profile) or "built-in"
     res = results[0]
     st = res.stats
     if as_json:
         obj = res.to_json()
         obj.update({"tree_nodes": gen.shape.nodes, "tree_shape": [gen.shape.nodes, gen.shape.width, gen.shape.rounds],
                     "text_nodes": gen.shape.text,
-                    "kernel": gen.kernel, "act_bits": bits, "draft_vocab": vocab, "prompt": prompt})
+                    "kernel": gen.kernel, "kernel_policy": kernel_policy, "act_bits": bits, "draft_vocab": vocab,
+                    "prompt": prompt})
         if gen.auto_choice:
             obj["auto"] = gen.auto_choice
         _print_json(obj)

@@ -206,6 +206,7 @@ def test_cli_bench_json_and_plot(capsys, tiny_split, tiny_f32, tmp_path):
     assert s["runs"] == 4 and s["prompts"] == 2 and s["tree_nodes"] == 4
     assert s["act_bits"] == 8  # as asked (a q6_k residual: one value)
     assert s["draft_vocab"] == 0  # auto: a tiny vocabulary (and a split head) keeps the whole head
+    assert s["kernel_policy"] == "built-in"  # which kernel policy chose the family (the tests: built-in)
     assert s["tokens_per_second"] > 0 and s["vs_tokens_per_second"] > 0
     # ratios are rounded to 4 decimals, rates to 3
     assert s["speedup_vs"] == pytest.approx(s["tokens_per_second"] / s["vs_tokens_per_second"], rel=1e-3, abs=1e-4)

@@ -123,6 +123,7 @@ def test_run_passes_every_option(capsys, monkeypatch, tiny_split):
     assert seen == [GenerationOptions(**CHANGED)]
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (out["kernel"], out["act_bits"], out["tree_nodes"]) == ("generic", 16, 4)
+    assert out["kernel_policy"] == "built-in"  # (the tests' BITSPLIT_POLICY=builtin)
 
 
 def test_chat_passes_every_option(capsys, monkeypatch, tiny_split):

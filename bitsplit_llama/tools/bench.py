@@ -153,6 +153,7 @@ def _load_side(cfg: dict) -> Callable[[dict], tuple]:
             st = res[0].stats if res else None
             extra = st.to_json() if st else {}
             extra["kernel"] = gen.kernel
+            extra["kernel_policy"] = gen.sm.policy["policy"]  # "measured" (doctor's profile) or "built-in"
             extra["act_bits"] = gen.sm.residual.act_bits  # as "auto" resolved here
             extra["draft_vocab"] = gen.sm.draft_vocab.rows  # as resolved (0: the whole head)
             # what actually ran: a native family only if it took some drafting product (it takes
@@ -272,6 +273,7 @@ class BenchReport:
             "draft_stop": self.draft_stop, "draft_early_stops": tot["draft_early_stops"],
             "kv_rebuilt_tokens": tot["kv_rebuilt_tokens"],
             "tree_nodes": self.tree_nodes, "tree_shape": last.get("shape"), "kernel": last.get("kernel"),
+            "kernel_policy": last.get("kernel_policy"),
             "act_bits": last.get("act_bits"), "drafter": last.get("drafter"),
             "draft_vocab": last.get("draft_vocab"),
             "draft_products": last.get("draft_products", 0),
