@@ -178,9 +178,23 @@ def builtin_only() -> Iterator[None]:
         set_measured(True, saved[1])
 
 
-def _env_parts() -> dict:
+def settings() -> dict:
+    """The environment's settings that change which families run and which the policy prefers, as a
+    machine profile records them (``key_parts``: tools.machine.profile_key) and as a profile must match
+    them to be this policy's (:func:`find_profile`)."""
     return {"max_isa": os.environ.get("BITSPLIT_MAX_ISA", ""), "half_rate_512": os.environ.get("BITSPLIT_HALF_RATE_512", ""),
             "kernel": os.environ.get("BITSPLIT_KERNEL", "")}
+
+
+def measured_wanted() -> bool:
+    """Whether a measured policy may be in force: ``BITSPLIT_POLICY`` is ``measured`` (the default) and
+    ``BITSPLIT_KERNEL`` pins no family; a bad ``BITSPLIT_POLICY`` is refused with its name."""
+    from ..errors import InvalidOptionError
+
+    how = os.environ.get(POLICY_ENV, "") or "measured"
+    if how not in ("measured", "builtin"):
+        raise InvalidOptionError(f"{POLICY_ENV}='{how}': expected measured (the default) or builtin")
+    return how == "measured" and not os.environ.get("BITSPLIT_KERNEL")
 
 
 def find_profile(cache_root: Optional[Path] = None) -> Optional[Path]:
@@ -196,7 +210,7 @@ def find_profile(cache_root: Optional[Path] = None) -> Optional[Path]:
         return None
     build = build_key()[0]
     here = set(families())
-    env = _env_parts()
+    env = settings()
     found = []
     for path in root.glob("profile-*.json"):
         try:
@@ -218,12 +232,7 @@ def apply_measured(profile_path: Optional[Path] = None) -> dict:
     "built-in", "profile": path or None, "with_base": steps, "alone": steps}."""
     from ..errors import InvalidOptionError
 
-    how = os.environ.get(POLICY_ENV, "") or "measured"
-    if how not in ("measured", "builtin"):
-        raise InvalidOptionError(f"{POLICY_ENV}='{how}': expected measured (the default) or builtin")
-    path = None
-    if how == "measured" and not os.environ.get("BITSPLIT_KERNEL"):
-        path = profile_path or find_profile()
+    path = (profile_path or find_profile()) if measured_wanted() else None
     steps = {False: [], True: []}
     if path is not None:
         try:

@@ -61,6 +61,7 @@ def _say(log: Optional[Log], msg: str) -> None:
 
 def profile_key(threads: Optional[int] = None, quick: bool = False) -> tuple[str, dict]:
     """(key, what it is made of): the profile is measured again when any part changes."""
+    from ..native import policy
     from ..native.build import build_key
 
     cpu = cpu_info()
@@ -71,9 +72,7 @@ def profile_key(threads: Optional[int] = None, quick: bool = False) -> tuple[str
         "arch": cpu["arch"],
         "flags": hashlib.sha256(" ".join(sorted(cpu["flags"])).encode()).hexdigest()[:16],
         "native_build": build_key()[0],
-        "max_isa": os.environ.get("BITSPLIT_MAX_ISA", ""),
-        "half_rate_512": os.environ.get("BITSPLIT_HALF_RATE_512", ""),
-        "kernel": os.environ.get("BITSPLIT_KERNEL", ""),
+        **policy.settings(),  # BITSPLIT_MAX_ISA, BITSPLIT_HALF_RATE_512, BITSPLIT_KERNEL
         "threads": threads_or_default(threads),
         "size": size.name,
         "tensors": size.tensors,
@@ -272,7 +271,7 @@ def residual_rate_per_core(profile: dict, batch: int) -> tuple[float, str]:
     from ..native import policy
 
     fam = None
-    if os.environ.get(policy.POLICY_ENV, "") != "builtin" and not os.environ.get("BITSPLIT_KERNEL"):
+    if policy.measured_wanted():
         fam = next((f for cols, f in policy.measured_steps(profile, True) if batch <= cols), None)
     fam = fam or profile["kernel_by_batch_alone"].get(str(batch))
     if fam is None:
