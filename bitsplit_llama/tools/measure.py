@@ -293,7 +293,6 @@ def measure_residual(split: Path, size: Size, threads: int, bandwidth: float, fa
                 with_base_by_family.append(row)
                 _say(log, f"  (W2+R).x  fam {fam:>16} batch {b:3d}: {1000 * row['seconds']:8.1f} ms/pass, "
                           f"{row['gb_per_s']:6.2f} GB/s" + (" (policy's)" if fam == policy_fam else ""))
-        r.set_kernel(None)  # unpinned: the policy's family below, as before
         for b in WITH_BASE_BATCHES:
             r.set_kernel(None)
             fam = r.choose_decode_kernel(b)
