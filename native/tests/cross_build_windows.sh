@@ -85,9 +85,7 @@ fi
 if command -v wine >/dev/null; then
     "$WIN_CC" -std=c11 -O1 -Wall -Werror native/tests/win_smoke.c -o "$OUT/win_smoke.exe" -static
     cp "$OUT/ggml/ggml-base.dll" "$OUT/"
-    CACHE=${BITSPLIT_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/bitsplit-llama}/parity
-    export WINEPREFIX=${WINEPREFIX:-$CACHE/wineprefix} WINEDEBUG=${WINEDEBUG:--all}
-    mkdir -p "$WINEPREFIX"
+    wine_env
     set +e
     (cd "$OUT" && wine win_smoke.exe bitsplit.dll) >"$OUT/smoke.log" 2>&1
     rc=$?

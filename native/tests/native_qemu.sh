@@ -46,7 +46,7 @@ trap 'rm -rf "$WORK"' EXIT
 cd "$ROOT"
 
 # --- libggml-base for AArch64, from the installed version's sdist (cached) -------------------------
-CACHE=${BITSPLIT_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/bitsplit-llama}/ggml-aarch64
+CACHE=$BS_CACHE/ggml-aarch64
 KEY=$( { echo "$VERSION"; "$CROSS_CC" --version; "$CROSS_CXX" --version; } | sha256sum | cut -c1-16)
 GGML="$CACHE/$VERSION-$KEY"
 if [[ ! -f "$GGML/libggml-base.so.0" ]]; then

@@ -56,7 +56,6 @@ FLAGS=(-std=c11 -O3 -Wall -Werror -Inative -I"$INC")
 # 1. builds, cached under $BITSPLIT_CACHE|$XDG_CACHE_HOME/bitsplit-llama|~/.cache/bitsplit-llama/
 # parity/<hash of sources, headers, compiler and flags>: kernels_avx2.c alone takes 25 s (-O1) to
 # 45 s (-O3) to compile on 2 cores (one unrolled body per type pair), the rest of the script ~10 s
-CACHE=${BITSPLIT_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/bitsplit-llama}/parity
 build() { # build OUTPUT COMPILER FAMILY_FILE [FLAGS...]: a cached binary linked to OUTPUT
     local out=$1 cc=$2 fam=$3
     shift 3
@@ -67,16 +66,8 @@ build() { # build OUTPUT COMPILER FAMILY_FILE [FLAGS...]: a cached binary linked
                  native/bs_os.h native/bitsplit.h native/cpu_feats.h "$INC/ggml.h"
              find "$(dirname "$fam")" -maxdepth 1 -name '*.h' | sort | xargs -r cat
              "$cc" --version; echo "$* ${FLAGS[*]}"; } | sha256sum | cut -c1-16)
-    local bin="$CACHE/$key/$(basename "$out")"
-    if [[ ! -x "$bin" || -n "${NEON_QEMU_NO_CACHE:-}" ]]; then
-        "$cc" "${FLAGS[@]}" "$@" native/tests/kernel_parity.c native/scratch.c native/os.c "$feats" "$fam" -o "$out.tmp" -lm || return 1
-        if mkdir -p "$CACHE/$key" 2>/dev/null && cp "$out.tmp" "$bin.$BASHPID" 2>/dev/null; then
-            mv -f "$bin.$BASHPID" "$bin"
-        else
-            bin="$out.tmp" # no cache here: use the fresh build
-        fi
-    fi
-    ln -sf "$bin" "$out"
+    cached_build "$key" "$out" "${NEON_QEMU_NO_CACHE:-}" \
+        "$cc" "${FLAGS[@]}" "$@" native/tests/kernel_parity.c native/scratch.c native/os.c "$feats" "$fam" -o "$out.tmp" -lm
 }
 # two pairs: the f32 families (avx2-f32 / neon-f32) and the integer ones (avx2-int16 / neon-int16,
 # -DPARITY_INT16), each ARM family against its x86 counterpart

@@ -53,23 +53,13 @@ SRCS=(native/tests/kernel_parity.c native/scratch.c native/os.c native/arch/x86/
 
 # 1. builds, cached under $BITSPLIT_CACHE|$XDG_CACHE_HOME/bitsplit-llama|~/.cache/bitsplit-llama/
 # parity/<hash of sources, headers, compiler and flags>: each build takes ~2 minutes on 2 cores
-CACHE=${BITSPLIT_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/bitsplit-llama}/parity
 build() { # build OUTPUT COMPILER [FLAGS...]: a cached binary linked to OUTPUT
     local out=$1 cc=$2
     shift 2
     local key
     key=$( { cat "${SRCS[@]}" native/*.h native/arch/x86/*.h "$INC/ggml.h"; "$cc" --version; echo "$* ${FLAGS[*]}"; } |
            sha256sum | cut -c1-16)
-    local bin="$CACHE/$key/$(basename "$out")"
-    if [[ ! -x "$bin" || -n "${WINE_PARITY_NO_CACHE:-}" ]]; then
-        "$cc" "${FLAGS[@]}" "$@" "${SRCS[@]}" -o "$out.tmp" -lm || return 1
-        if mkdir -p "$CACHE/$key" 2>/dev/null && cp "$out.tmp" "$bin.$BASHPID" 2>/dev/null; then
-            mv -f "$bin.$BASHPID" "$bin"
-        else
-            bin="$out.tmp" # no cache here: use the fresh build
-        fi
-    fi
-    ln -sf "$bin" "$out"
+    cached_build "$key" "$out" "${WINE_PARITY_NO_CACHE:-}" "$cc" "${FLAGS[@]}" "$@" "${SRCS[@]}" -o "$out.tmp" -lm
 }
 build "$OUT/parity_linux" "$CC" & p1=$!
 build "$OUT/parity_windows.exe" "$WIN_CC" -static & p2=$!
@@ -83,9 +73,7 @@ if command -v file >/dev/null; then
         { echo "wine_parity: $OUT/parity_windows.exe is not an x86-64 Windows executable" >&2; exit 1; }
 fi
 
-# wine's prefix (its C: drive and registry, ~6 s to make) kept beside the cached builds
-export WINEPREFIX=${WINEPREFIX:-$CACHE/wineprefix} WINEDEBUG=${WINEDEBUG:--all}
-mkdir -p "$WINEPREFIX"
+wine_env
 
 # 3 and 4: each family on both builds, results compared bit for bit
 FAMILIES=${WINE_PARITY_FAMILIES:-avx2-f32 avx2-int16 avxvnni-int16 avx512vnni-int16 vnni-int24 avx512-bf16}
