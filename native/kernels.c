@@ -305,15 +305,21 @@ bool bs_half_rate_in_force(void) {
     return half_rate_in_force(cap);
 }
 
-const bs_kernel_family * bs_family_named(const char * name) {
-    int cap;
-    bs_isa_cap(&cap);
+/* the family of this build named `name` (whether or not this CPU runs it), or NULL */
+static const bs_kernel_family * family_of_build(const char * name) {
     for (size_t i = 0; i < N_FAMILIES; i++) {
         if (strcmp(order_small[i]->name, name) == 0) {
-            return usable(order_small[i], cap) ? order_small[i] : NULL;
+            return order_small[i];
         }
     }
     return NULL;
+}
+
+const bs_kernel_family * bs_family_named(const char * name) {
+    int cap;
+    bs_isa_cap(&cap);
+    const bs_kernel_family * f = family_of_build(name);
+    return f != NULL && usable(f, cap) ? f : NULL;
 }
 
 /* the order in force: for decode-sized batches (small) or larger ones, the half-rate orders where
@@ -358,15 +364,6 @@ typedef struct {
     const bs_kernel_family * fam[BS_MEASURED_MAX];
 } measured_table;
 static measured_table measured[2]; /* [alone] */
-
-static const bs_kernel_family * family_of_build(const char * name) {
-    for (size_t i = 0; i < N_FAMILIES; i++) {
-        if (strcmp(order_small[i]->name, name) == 0) {
-            return order_small[i];
-        }
-    }
-    return NULL;
-}
 
 int bs_policy_set_measured(bool alone, const int64_t * cols, const char * const * names, int n) {
     if (n < 0 || n > BS_MEASURED_MAX || (n > 0 && (cols == NULL || names == NULL))) {
