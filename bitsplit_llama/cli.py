@@ -768,6 +768,22 @@ def eval_(
                                          help="Score the verifier once per native kernel family (comma-separated, or "
                                               "'all' this CPU runs), pinned for all its products, against one "
                                               "reference pass (default: the kernel policy's choice)."),
+    device_numerics: Optional[str] = typer.Option(
+        None, "--device-numerics", metavar="BACKEND[,...]|all",
+        help="Score the all-local verifier once per backend (host, cpu, cuda, cuda-mmvq, metal, float) with its "
+             "base's activations rounded before W2.x as that backend's kernels round them (float: not at all), "
+             "R.x as add mode computes it: the verifier that device would give, without the device (default: "
+             "host alone: (W2+R).x here)."),
+    outlier_channels: Optional[str] = typer.Option(
+        None, "--outlier-channels", metavar="N[,N...]",
+        help="With --device-numerics: score each emulated backend once per N, each row's N channels of largest "
+             "magnitude left out of the device's rounding and taken exactly (a correction measured before it is "
+             "built; JSON outlier_bytes_share: the base bytes the host would read for them, of the residual's)."),
+    outlier_imatrix: Optional[Path] = typer.Option(
+        None, "--outlier-imatrix", metavar="IMATRIX",
+        help="With --outlier-channels: each weight's N channels of largest importance in this imatrix (bitsplit "
+             "imatrix), the same for every row (the host would keep those columns as a dense slab), instead of "
+             "each row's own N largest."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as one JSON line."),
 ) -> None:
@@ -781,7 +797,8 @@ def eval_(
     say = (lambda s: None) if quiet or as_json else (lambda s: print(s, file=sys.stderr, flush=True))
     rep = evaluate(model_dir, reference, text, vs=vs, n_ctx=n_ctx, max_chunks=chunks, threads=threads,
                    precision=precision, log=say, progress=make_progress(quiet or as_json), rpc=rpc,
-                   rpc_timeout=rpc_timeout, n_gpu_layers=n_gpu_layers, act_bits=act_bits, kernels=kernel)
+                   rpc_timeout=rpc_timeout, n_gpu_layers=n_gpu_layers, act_bits=act_bits, kernels=kernel,
+                   numerics=device_numerics, outliers=outlier_channels, outlier_imatrix=outlier_imatrix)
     if as_json:
         _print_json(rep.to_json())
         return
@@ -791,10 +808,10 @@ def eval_(
 
     t = Table(title=escape(f"{rep.n_tokens} tokens of {Path(rep.text).name} in {rep.n_chunks} chunks of {rep.n_ctx}; "
                            f"reference {Path(rep.reference).name}"))
-    for col in ("model", "KL mean", "KL mean (pos>0)", "KL p99", "top-1", "PPL", "time"):
-        t.add_column(col, justify="right" if col != "model" else "left")
+    for col in ("model", "numerics", "KL mean", "KL mean (pos>0)", "KL p99", "top-1", "PPL", "time"):
+        t.add_column(col, justify="right" if col not in ("model", "numerics") else "left")
     for m in rep.models:
-        t.add_row(escape(m.name), f"{m.kl_mean:.5f}", f"{m.kl_mean_after_first:.5f}", f"{m.kl_p99:.4f}", f"{100 * m.top1:.2f}%",
+        t.add_row(escape(m.name), m.numerics or "", f"{m.kl_mean:.5f}", f"{m.kl_mean_after_first:.5f}", f"{m.kl_p99:.4f}", f"{100 * m.top1:.2f}%",
                   f"{m.ppl:.4f}", f"{m.seconds:.0f} s")
     Console().print(t)
 

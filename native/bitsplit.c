@@ -67,6 +67,52 @@ int bitsplit_ctx_act_bits(const bitsplit_ctx * ctx, int res_type) {
     return bs_resolve_act8(ctx, (enum ggml_type)res_type) ? 8 : 16;
 }
 
+int bitsplit_ctx_set_numerics(bitsplit_ctx * ctx, int numerics, int outliers) {
+    if (ctx == NULL || numerics < BITSPLIT_NUMERICS_HOST || numerics > BITSPLIT_NUMERICS_FLOAT || outliers < 0 ||
+        outliers > BITSPLIT_MAX_OUTLIERS) {
+        return BITSPLIT_E_INVALID;
+    }
+    ctx->numerics = numerics;
+    ctx->numerics_outliers = numerics == BITSPLIT_NUMERICS_HOST ? 0 : outliers;
+    return BITSPLIT_OK;
+}
+
+int bitsplit_ctx_set_exact_channels(bitsplit_ctx * ctx, const char * name, int n, const int32_t * channels) {
+    if (ctx == NULL || name == NULL || n < 0 || n > BITSPLIT_MAX_OUTLIERS || (n > 0 && channels == NULL)) {
+        return BITSPLIT_E_INVALID;
+    }
+    bs_entry * e = (bs_entry *)bs_find_entry(ctx, name);
+    if (e == NULL) {
+        return BITSPLIT_E_INVALID;
+    }
+    for (int i = 0; i < n; i++) {
+        if (channels[i] < 0 || channels[i] >= e->ne[0]) {
+            return BITSPLIT_E_INVALID;
+        }
+    }
+    memcpy(e->exact_ch, channels, (size_t)n * sizeof(int32_t));
+    e->n_exact_ch = n;
+    return BITSPLIT_OK;
+}
+
+int bitsplit_round_activations(int numerics, int weight_type, int64_t K, int64_t n_cols, int outliers, const float * x,
+                               float * out) {
+    if (numerics < BITSPLIT_NUMERICS_HOST || numerics > BITSPLIT_NUMERICS_FLOAT || weight_type < 0 ||
+        weight_type >= GGML_TYPE_COUNT || K < 1 || n_cols < 0 || (n_cols > 0 && (x == NULL || out == NULL)) ||
+        outliers < 0 || outliers > BITSPLIT_MAX_OUTLIERS) {
+        return BITSPLIT_E_INVALID;
+    }
+    const int rule = bs_numerics_rule(numerics, (enum ggml_type)weight_type, n_cols, K);
+    if (rule < 0) {
+        return BITSPLIT_E_UNSUPPORTED;
+    }
+    int32_t sel[BITSPLIT_MAX_OUTLIERS];
+    for (int64_t c = 0; c < n_cols; c++) {
+        bs_numerics_round(rule, x + c * K, K, out + c * K, outliers, sel);
+    }
+    return BITSPLIT_OK;
+}
+
 int bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode) {
     if (ctx == NULL || (mode != BITSPLIT_MODE_AUTO && mode != BITSPLIT_MODE_ADD)) {
         return BITSPLIT_E_INVALID;
@@ -151,6 +197,7 @@ void bitsplit_ctx_get_counters(const bitsplit_ctx * c, bitsplit_counters * out) 
     out->n_columns = atomic_load(&ctx->c_cols);
     out->bytes_residual = atomic_load(&ctx->c_bres);
     out->bytes_base = atomic_load(&ctx->c_bbase);
+    out->bytes_outlier_base = atomic_load(&ctx->c_boutlier);
     out->ns_inside = atomic_load(&ctx->c_ns);
     out->n_errors = atomic_load(&ctx->c_err);
     out->n_draft_products = atomic_load(&ctx->c_draft);
@@ -177,6 +224,7 @@ void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
     atomic_store(&ctx->c_cols, 0);
     atomic_store(&ctx->c_bres, 0);
     atomic_store(&ctx->c_bbase, 0);
+    atomic_store(&ctx->c_boutlier, 0);
     atomic_store(&ctx->c_ns, 0);
     atomic_store(&ctx->c_err, 0);
     atomic_store(&ctx->c_draft, 0);

@@ -88,6 +88,8 @@ typedef struct bitsplit_counters {
     uint64_t n_attn_products;   /* attention's KV-cache products (KQ, KQV) computed here (batch invariance) */
     uint64_t ns_attn;           /* wall time inside those, nanoseconds */
     uint64_t n_softmax;         /* attention's softmaxes computed here (batch invariance) */
+    uint64_t bytes_outlier_base; /* emulated device numerics with outlier channels: base bytes the host
+                                    would read for them (each product's blocks holding its rows' channels) */
 } bitsplit_counters;
 
 const char * bitsplit_status_str(int status);
@@ -135,6 +137,40 @@ int  bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, bool on);
  * other nodes allow). Off: those products stay with ggml. */
 int  bitsplit_ctx_set_batch_invariant(bitsplit_ctx * ctx, bool on);
 bool bitsplit_ctx_get_batch_invariant(const bitsplit_ctx * ctx);
+/* Emulated device numerics (bitsplit eval --device-numerics; numerics.c gives each rule and its
+ * source in llama.cpp): with the base computed here (replace mode, batch-invariant or not), each
+ * product of the base's weights rounds its activations as that backend's kernels would before
+ * W2 . x, then adds R . x as add mode computes it on the host from the exact activations, so that
+ * the all-local verifier scores as it would with its base on that device. Weights the split kept
+ * exact are rounded too where this library computes them (batch-invariant mode); expert weights
+ * (MUL_MAT_ID) are refused (an error for the pass). HOST, the default: (W2 + R) . x on the exact
+ * activations. BITSPLIT_E_INVALID for another value. */
+enum bitsplit_numerics {
+    BITSPLIT_NUMERICS_HOST = 0,
+    BITSPLIT_NUMERICS_CPU = 1,       /* ggml-cpu: Q8_K per 256 for K-quant and IQ weights, Q8_0 per 32 else */
+    BITSPLIT_NUMERICS_CUDA = 2,      /* ggml-cuda: q8_1 per 32 up to 8 rows, mmq's layouts above */
+    BITSPLIT_NUMERICS_CUDA_MMVQ = 3, /* ggml-cuda's 1-8 row rule at every batch size */
+    BITSPLIT_NUMERICS_METAL = 4,     /* ggml-metal: floats up to 8 rows, half above */
+    BITSPLIT_NUMERICS_FLOAT = 5,     /* a device that keeps floats: W2 . x exact, R . x as add mode computes it */
+};
+/* outliers (0 to BITSPLIT_MAX_OUTLIERS): a correction measured before it is built: in each row the
+ * `outliers` channels of largest magnitude are left out of the device's rounding (they no longer set
+ * their blocks' scales) and taken exactly, as the host would add W2[:, S] . x[S] from the base's
+ * blocks holding them (counted in bytes_outlier_base). */
+#define BITSPLIT_MAX_OUTLIERS 64
+int bitsplit_ctx_set_numerics(bitsplit_ctx * ctx, int numerics, int outliers);
+/* A fixed set of exact channels for the weight `name` under emulated numerics (each in [0, row
+ * width), at most BITSPLIT_MAX_OUTLIERS; n = 0 clears it): every row takes these instead of its own
+ * largest (the set an importance matrix names; the host would hold those columns as a dense slab of
+ * N x n halves, counted in bytes_outlier_base). BITSPLIT_E_INVALID for an unknown name or bad
+ * channels (the set is then unchanged). */
+int bitsplit_ctx_set_exact_channels(bitsplit_ctx * ctx, const char * name, int n, const int32_t * channels);
+/* x (n_cols columns of K floats) rounded as `numerics` (with `outliers` exact channels per column)
+ * rounds the activations of a pass of n_cols rows for weights of ggml type weight_type, into out
+ * (which may be x). BITSPLIT_E_UNSUPPORTED where that backend has no rule here for the type (or K is
+ * not a multiple of the rule's block), BITSPLIT_E_INVALID for a bad argument. */
+int bitsplit_round_activations(int numerics, int weight_type, int64_t K, int64_t n_cols, int outliers, const float * x,
+                               float * out);
 /* While on, the passes are a prompt's: their products take the kernel policy's family for a
  * 64-row batch, whatever each pass's size, instead of the pinned family (BITSPLIT_KERNEL's pin
  * still holds). A prompt's rows are computed once, never verified again in another pass, so their

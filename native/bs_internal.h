@@ -47,6 +47,10 @@ typedef struct bs_entry {
     const uint8_t * base_data;   /* in this library's map of base.gguf */
     bool exact;                  /* a base weight without residual (res_data NULL): the source's own
                                     weight, computed here only for batch invariance */
+    /* emulated device numerics: this weight's fixed exact channels (bitsplit_ctx_set_exact_channels),
+     * taken for every row instead of each row's largest */
+    int n_exact_ch;
+    int32_t exact_ch[BITSPLIT_MAX_OUTLIERS];
     struct bitsplit_ctx * ctx;
 } bs_entry;
 
@@ -286,6 +290,8 @@ struct bitsplit_ctx {
     int precision;
     int act_bits;                /* enum bitsplit_act_bits */
     int mode;
+    int numerics;                /* enum bitsplit_numerics (numerics.c): emulated device rounding */
+    int numerics_outliers;       /* channels per row kept exact under it (0 to BITSPLIT_MAX_OUTLIERS) */
     bool replace_ok; /* custom-op layout check passed */
     /* A family pinned for decode passes (<= BS_DECODE_COLS columns) by bitsplit_ctx_set_kernel /
      * choose_kernel, so that every pass of a generation runs the same arithmetic; with pin_all
@@ -307,6 +313,8 @@ struct bitsplit_ctx {
     size_t acts_size;
     void * gather; /* MUL_MAT_ID: gathered columns and results */
     size_t gather_size;
+    void * xdev; /* emulated device numerics: the pass's activations as the device rounds them */
+    size_t xdev_size;
     bs_scratch scratch[BS_MAX_THREADS];
     atomic_bool job_failed; /* a thread of the product running on the pool could not compute its rows */
     atomic_int bar_count;
@@ -325,6 +333,7 @@ struct bitsplit_ctx {
     atomic_uint_fast64_t c_products, c_add, c_rows, c_cols, c_bres, c_bbase, c_ns, c_err, c_draft, c_ns_draft;
     atomic_uint_fast64_t c_bdev_in, c_bdev_out, c_ns_xfer, c_overlap, c_ns_wait, c_stops, c_exact;
     atomic_uint_fast64_t c_attn, c_ns_attn, c_softmax; /* attention computed here (attn.c) */
+    atomic_uint_fast64_t c_boutlier; /* emulated numerics: base bytes holding the exact outlier channels */
 
     bs_mutex err_lock;
     int err_status;
@@ -345,6 +354,15 @@ void bs_pool_free(bs_pool * pool);
 bool bs_ensure(void ** buf, size_t * cap, size_t need);
 /* all nth threads of one product meet here */
 void bs_barrier(struct bitsplit_ctx * ctx, int nth);
+/* numerics.c: the rounding rule of enum bitsplit_numerics `numerics` for weights of type t in a pass
+ * of n_rows rows (-1: none for this type, or K not a multiple of its block), and one column of K
+ * values rounded by it into out (which may be x) */
+int bs_numerics_rule(int numerics, enum ggml_type t, int64_t n_rows, int64_t K);
+/* with outliers > 0: the column's `outliers` channels of largest magnitude (their indices into sel)
+ * kept exact, the rest rounded without them */
+void bs_numerics_round(int rule, const float * x, int64_t K, float * out, int outliers, int32_t * sel);
+/* the same with the outlier channels given (sel, m of them, each in [0, K)) */
+void bs_numerics_round_fixed(int rule, const float * x, int64_t K, float * out, int m, const int32_t * sel);
 int bs_resolve_precision(const struct bitsplit_ctx * ctx, enum ggml_type base, enum ggml_type res);
 /* ctx's act_bits for a product with a residual of type res: 8-bit activations (true) or 16 */
 bool bs_resolve_act8(const struct bitsplit_ctx * ctx, enum ggml_type res);

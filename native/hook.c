@@ -43,12 +43,122 @@ static const uint8_t * base_rows(const bs_entry * e, const struct ggml_tensor * 
     return e->base_data;
 }
 
+/* Emulated device numerics (bitsplit_ctx_set_numerics): the product's two jobs, W2 . xdev (x as the
+ * device rounds it, exact weights) into y, then R . x added as add mode computes it on the host (jr.r
+ * NULL: a weight without residual, W2 alone) */
+static void numerics_jobs(const bitsplit_ctx * ctx, const bs_entry * e, const uint8_t * w2, const float * x,
+                          const float * xdev, int64_t n_cols, float * y, bs_job * jb, bs_job * jr) {
+    bs_fill_job(jb, e, w2, 0, e->ne[1]);
+    jb->r = NULL;
+    bs_job_columns(jb, ctx, xdev, n_cols, y);
+    jb->acts = ctx->acts;
+    bs_fill_job(jr, e, NULL, 0, e->ne[1]);
+    bs_job_columns(jr, ctx, x, n_cols, y);
+    jr->accumulate = true;
+    jr->acts = ctx->acts;
+}
+
+static void mul_mat_numerics(struct ggml_tensor * dst, int ith, int nth, const bs_entry * e, uint64_t t0) {
+    bitsplit_ctx * ctx = e->ctx;
+    const struct ggml_tensor * x = dst->src[1];
+    const int64_t K = e->ne[0], n = ggml_nrows(x);
+    const int rule = bs_numerics_rule(ctx->numerics, e->base_type, n, K); /* checked when asked */
+    if (rule < 0) {
+        if (ith == 0) {
+            nan_fill((float *)dst->data, n * e->ne[1]);
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "device numerics: no rule for '%s'", e->name);
+        }
+        return;
+    }
+    const float * xs = (const float *)x->data;
+    float * xd = (float *)ctx->xdev;
+    /* each column's exact channels: the weight's fixed set (a dense slab of those columns on the host),
+     * else the column's own m largest */
+    const bool fixed = e->n_exact_ch > 0;
+    const int m = fixed ? 0 : ctx->numerics_outliers < K ? ctx->numerics_outliers : (int)K;
+    int32_t * sel = (int32_t *)(xd + (size_t)n * (size_t)K);
+    for (int64_t c = n * ith / nth; c < n * (ith + 1) / nth; c++) {
+        if (fixed) {
+            bs_numerics_round_fixed(rule, xs + c * K, K, xd + c * K, e->n_exact_ch, e->exact_ch);
+        } else {
+            bs_numerics_round(rule, xs + c * K, K, xd + c * K, m, sel + c * m);
+        }
+    }
+    bs_barrier(ctx, nth); /* every column rounded */
+    if (fixed && ith == 0) {
+        atomic_fetch_add(&ctx->c_boutlier, (uint64_t)e->ne[1] * (uint64_t)e->n_exact_ch * 2u);
+    }
+    if (m > 0 && ith == 0) {
+        /* the host's exact part, W2[:, S] . x[S], would read every row's blocks holding a channel of
+         * some column's S: count those blocks' bytes */
+        const int64_t blk = ggml_blck_size(e->base_type), nb = K / blk;
+        uint8_t * seen = (uint8_t *)(sel + (size_t)n * (size_t)m);
+        memset(seen, 0, (size_t)nb);
+        int64_t blocks = 0;
+        for (int64_t i = 0; i < n * m; i++) {
+            const int64_t b = sel[i] / blk;
+            blocks += seen[b] == 0;
+            seen[b] = 1;
+        }
+        atomic_fetch_add(&ctx->c_boutlier, (uint64_t)blocks * (uint64_t)e->ne[1] * (e->base_row_bytes / (size_t)nb));
+    }
+    bs_job jb, jr;
+    numerics_jobs(ctx, e, base_rows(e, dst->src[0]), xs, xd, n, (float *)dst->data, &jb, &jr);
+    bs_run_job(ctx, &jb, ith, nth);
+    if (jr.r != NULL) {
+        bs_barrier(ctx, nth); /* every thread done with the shared activations (and its rows of W2 . xdev) */
+        bs_run_job(ctx, &jr, ith, nth);
+    }
+    if (ith != 0) {
+        return;
+    }
+    if (e->exact) {
+        atomic_fetch_add(&ctx->c_exact, 1);
+        atomic_fetch_add(&ctx->c_cols, (uint64_t)n);
+        atomic_fetch_add(&ctx->c_bbase, (uint64_t)jb.N * jb.w2_row_bytes);
+        atomic_fetch_add(&ctx->c_ns, bs_now_ns() - t0);
+    } else {
+        jb.r = jr.r; /* counted as the one product it stands for */
+        jb.r_row_bytes = jr.r_row_bytes;
+        bs_count_job(ctx, &jb, t0, false);
+    }
+}
+
+/* ask time, with emulated device numerics: the product's rule, and room for its rounded activations
+ * and the shared activations of both its jobs */
+static bool numerics_ready(bitsplit_ctx * ctx, const bs_entry * e, int64_t n_cols) {
+    if (bs_numerics_rule(ctx->numerics, e->base_type, n_cols, e->ne[0]) < 0) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
+                        "device numerics: no rounding rule for weight '%s' of type %s (%lld wide) in a pass of %lld rows",
+                        e->name, ggml_type_name(e->base_type), (long long)e->ne[0], (long long)n_cols);
+        return false;
+    }
+    bs_job jb, jr;
+    numerics_jobs(ctx, e, e->base_data, NULL, NULL, n_cols, NULL, &jb, &jr);
+    size_t need = bs_job_acts_size(ctx, &jb);
+    if (jr.r != NULL && bs_job_acts_size(ctx, &jr) > need) {
+        need = bs_job_acts_size(ctx, &jr);
+    }
+    if (!bs_ensure(&ctx->acts, &ctx->acts_size, need + 64) ||
+        !bs_ensure(&ctx->xdev, &ctx->xdev_size, (size_t)n_cols * (size_t)e->ne[0] * sizeof(float) +
+                                                    (size_t)n_cols * BITSPLIT_MAX_OUTLIERS * sizeof(int32_t) +
+                                                    (size_t)e->ne[0] + 64)) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the emulated device product of '%s'", e->name);
+        return false;
+    }
+    return true;
+}
+
 /* (W2 + R) . x, or W2 . x alone for the fast drafter (the residual is off) */
 static void mul_mat(struct ggml_tensor * dst, int ith, int nth, const bs_entry * e, bool base_only) {
     bitsplit_ctx * ctx = e->ctx;
     const struct ggml_tensor * w = dst->src[0];
     const struct ggml_tensor * x = dst->src[1];
     const uint64_t t0 = ith == 0 ? bs_now_ns() : 0;
+    if (ctx->numerics != BITSPLIT_NUMERICS_HOST && !base_only) {
+        mul_mat_numerics(dst, ith, nth, e, t0);
+        return;
+    }
     bs_job job;
     bs_fill_job(&job, e, base_rows(e, w), 0, e->ne[1]);
     if (base_only) {
@@ -355,6 +465,9 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
                 bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the product of '%s'", e->name);
                 return false;
             }
+            if (ctx->numerics != BITSPLIT_NUMERICS_HOST && !numerics_ready(ctx, e, ggml_nrows(x))) {
+                return false;
+            }
             bs_overlap_drain(ctx);
             bs_custom_mutate(t, op_mul_mat, e);
             return false;
@@ -363,6 +476,11 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     }
     if (op == GGML_OP_MUL_MAT_ID) {
         const struct ggml_tensor * ids = t->src[2];
+        if (ctx->numerics != BITSPLIT_NUMERICS_HOST) {
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "device numerics are not emulated for expert weights ('%s')",
+                            e->name);
+            return false;
+        }
         if (cpu && ids != NULL && host(ids) && ids->type == GGML_TYPE_I32 && x->type == GGML_TYPE_F32 &&
             t->type == GGML_TYPE_F32 && x->ne[0] == e->ne[0] && t->ne[0] == e->ne[1] && ctx->replace_ok &&
             x->nb[0] == sizeof(float) && t->nb[0] == sizeof(float) && e->ne[3] == 1) {

@@ -341,6 +341,7 @@ void bitsplit_ctx_free(bitsplit_ctx * ctx) {
     bs_aligned_free(ctx->host_d.buf);
     bs_aligned_free(ctx->acts);
     bs_aligned_free(ctx->gather);
+    bs_aligned_free(ctx->xdev);
     free(ctx->entries);
     free(ctx->table);
     bs_unmap_file(ctx->map_res, ctx->map_res_size);

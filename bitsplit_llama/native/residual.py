@@ -19,6 +19,9 @@ PRECISIONS = {"auto": 0, "f32": 1, "bf16": 2}
 # the verifier's activations in the 16-bit integer families (bitsplit.h's enum bitsplit_act_bits)
 ACT_BITS = {"auto": 0, "16": 1, "8": 2}
 MODES = {"auto": 0, "add": 1}
+# emulated device numerics (bitsplit.h's enum bitsplit_numerics; native/numerics.c gives each rule)
+NUMERICS = {"host": 0, "cpu": 1, "cuda": 2, "cuda-mmvq": 3, "metal": 4, "float": 5}
+MAX_OUTLIERS = 64  # bitsplit.h's BITSPLIT_MAX_OUTLIERS
 
 _STATUS_ERRORS = {1: InputError, 2: GGUFFormatError, 3: MismatchError, 4: UnsupportedModelError, 5: NativeError,
                   6: InvalidOptionError, 7: NativeError}
@@ -46,6 +49,46 @@ class Counters:
     n_attn_products: int = 0     # attention's KV-cache products (KQ, KQV) computed by the library (batch invariance)
     seconds_attn: float = 0.0
     n_softmax: int = 0           # attention's softmaxes computed by the library (batch invariance)
+    bytes_outlier_base: int = 0  # emulated numerics with outlier channels: base bytes the host would read for them
+
+
+def check_numerics(value: str, option: str = "--device-numerics") -> str:
+    """``value`` as a key of NUMERICS, or one message naming it and what was expected."""
+    if value not in NUMERICS:
+        raise InvalidOptionError(f"{option}: '{value}' unknown (expected one of: {', '.join(NUMERICS)})")
+    return value
+
+
+def check_outliers(value: int, option: str = "--outlier-channels") -> int:
+    """``value`` as a number of exact outlier channels per row (0 to MAX_OUTLIERS), or one message."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_OUTLIERS:
+        raise InvalidOptionError(f"{option}: {value!r} is not a number of channels from 0 to {MAX_OUTLIERS}")
+    return value
+
+
+def round_activations(numerics: str, weight_type: int, x, outliers: int = 0):
+    """``x`` (rows x K float32, a pass's activations) rounded as the backend ``numerics`` rounds them
+    before a product with weights of ggml type ``weight_type`` (native/numerics.c), each row's
+    ``outliers`` channels of largest magnitude kept exact: a new array."""
+    import numpy as np
+
+    from . import load
+
+    ffi, lib = load()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise InvalidOptionError(f"round_activations: expected rows x K, got shape {x.shape}")
+    out = np.empty_like(x)
+    st = lib.bitsplit_round_activations(NUMERICS[check_numerics(numerics, "numerics")], int(weight_type),
+                                        x.shape[1], x.shape[0], int(outliers), ffi.from_buffer("float[]", x),
+                                        ffi.from_buffer("float[]", out))
+    if st == 4:
+        raise UnsupportedModelError(f"numerics '{numerics}' have no rounding rule for ggml type {weight_type} at "
+                                    f"width {x.shape[1]}")
+    if st != 0:
+        raise InvalidOptionError(f"round_activations: ggml type {weight_type} unknown, or activations of shape "
+                                 f"{x.shape} refused (status {st})")
+    return out
 
 
 def check_act_bits(value: str | int) -> str:
@@ -92,6 +135,7 @@ class Residual:
                 raise InvalidOptionError("Residual needs a model directory, or both base= and residual=")
             base_p, res_p = Path(base), Path(residual)
         self.base_path, self.residual_path = base_p, res_p
+        self.numerics, self.outliers = "host", 0  # set_numerics
         with GGUFFile(base_p, role="base") as b, GGUFFile(res_p, role="residual") as r:
             check_pair(b, r, check_fingerprint=check_fingerprint)
             self.architecture = b.architecture
@@ -182,6 +226,28 @@ class Residual:
             raise InvalidOptionError(f"mode '{mode}' unknown (expected one of: {', '.join(MODES)})")
         self._lib.bitsplit_ctx_set_mode(self.ptr, MODES[mode])
 
+    def set_numerics(self, numerics: str, outliers: int = 0) -> None:
+        """Emulate a device's activation rounding before W2 . x (``NUMERICS``; "host": none), with R . x
+        as add mode computes it: for scoring locally the verifier a device would give (bitsplit eval
+        --device-numerics). ``outliers``: each row's channels of largest magnitude left out of the
+        device's rounding and taken exactly (a correction measured before it is built; the base bytes
+        it would read are counted in ``bytes_outlier_base``). Takes effect from the next pass; base on
+        the host only."""
+        outliers = check_outliers(outliers)
+        self._lib.bitsplit_ctx_set_numerics(self.ptr, NUMERICS[check_numerics(numerics)], outliers)
+        self.numerics, self.outliers = numerics, outliers
+
+    def set_exact_channels(self, name: str, channels) -> None:
+        """Under emulated numerics, a fixed set of exact channels for weight ``name`` (taken by every
+        row instead of its own largest; empty clears it): see :meth:`set_numerics`."""
+        ch = [int(c) for c in channels]
+        if len(ch) > MAX_OUTLIERS:
+            raise InvalidOptionError(f"{name}: {len(ch)} exact channels, at most {MAX_OUTLIERS}")
+        arr = self._ffi.new("int32_t[]", ch or [0])
+        if self._lib.bitsplit_ctx_set_exact_channels(self.ptr, name.encode(), len(ch), arr) != 0:
+            raise InvalidOptionError(f"exact channels for '{name}': no such residual weight, or a channel outside its "
+                                     f"row width ({ch[:8]}...)")
+
     def set_overlap(self, on: bool) -> None:
         """Add mode: start R . x when its input is computed, beside the device's W2 . x (default on)."""
         st = self._lib.bitsplit_ctx_set_overlap(self.ptr, bool(on))
@@ -261,7 +327,7 @@ class Residual:
         return Counters(c.n_products, c.n_add_products, c.n_get_rows, c.n_columns, c.bytes_residual, c.bytes_base,
                         c.ns_inside / 1e9, c.n_errors, c.n_draft_products, c.ns_draft / 1e9, c.bytes_from_device,
                         c.bytes_to_device, c.ns_transfer / 1e9, c.n_overlapped, c.ns_wait / 1e9, c.n_stops,
-                        c.n_exact_products, c.n_attn_products, c.ns_attn / 1e9, c.n_softmax)
+                        c.n_exact_products, c.n_attn_products, c.ns_attn / 1e9, c.n_softmax, c.bytes_outlier_base)
 
     def reset_counters(self) -> None:
         self._lib.bitsplit_ctx_reset_counters(self.ptr)

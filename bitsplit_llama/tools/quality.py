@@ -40,10 +40,19 @@ class ModelScore:
     seconds: float
     act_bits: int | dict | None = None  # a split verifier's activation bits (as --act-bits resolved here)
     kernel: str | None = None  # a split verifier's kernel family (what computed its products)
+    # whose arithmetic rounded the activations of the base's (or the model's) weight products: "host"
+    # (this library, exact activations), "cpu" (ggml-cpu: stock models, layers llama.cpp computes),
+    # "cuda" / "cuda-mmvq" / "metal" (emulated on the host: --device-numerics), "rpc" / "gpu" (the device's own)
+    numerics: str | None = None
+    # emulated numerics with outlier channels kept exact (--outlier-channels): how many per row, and the
+    # base bytes the host would read for them, as a share of the residual's bytes over the same passes
+    outliers: int | None = None
+    outliers_fixed: bool | None = None  # from --outlier-imatrix: one set per weight, not each row's own
+    outlier_bytes_share: float | None = None
 
     def to_json(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()
-                if v is not None or k not in ("act_bits", "kernel")}
+                if v is not None or k not in ("act_bits", "kernel", "outliers", "outliers_fixed", "outlier_bytes_share")}
 
 
 @dataclass
@@ -124,17 +133,76 @@ def check_kernels(value: str | list[str] | None) -> list[str] | None:
     return out
 
 
+def check_numerics_list(value: str | list[str] | None) -> list[str] | None:
+    """``--device-numerics``: a comma-separated list of backends (or "all") as a list, each checked;
+    None: the verifier as this machine computes it ("host") alone."""
+    from ..native.residual import NUMERICS, check_numerics
+
+    if value is None:
+        return None
+    names = value if isinstance(value, list) else [v.strip() for v in str(value).split(",") if v.strip()]
+    if names == ["all"]:
+        return list(NUMERICS)
+    if not names:
+        raise InvalidOptionError(f"--device-numerics: '{value}' names no backend (expected 'all' or a comma-separated "
+                                 f"list of: {', '.join(NUMERICS)})")
+    out: list[str] = []
+    for n in names:
+        check_numerics(n)
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def check_outliers_list(value: str | list[int] | None) -> list[int]:
+    """``--outlier-channels``: comma-separated numbers of exact channels per row (default [0])."""
+    from ..native.residual import check_outliers
+
+    if value is None:
+        return [0]
+    items = value if isinstance(value, list) else [v.strip() for v in str(value).split(",") if v.strip()]
+    out = []
+    for v in items:
+        try:
+            n = int(v)
+        except (TypeError, ValueError):
+            raise InvalidOptionError(f"--outlier-channels: '{v}' is not a number of channels") from None
+        if check_outliers(n) not in out:
+            out.append(n)
+    if not out:
+        raise InvalidOptionError(f"--outlier-channels: '{value}' names no number")
+    return out
+
+
+def _set_fixed_channels(residual, tensors, importance: dict, n: int, source) -> None:
+    """Each residual weight's ``n`` channels of largest importance (0: none) as its fixed exact set."""
+    for name, *_ in tensors:
+        v = importance.get(name)
+        if v is None:
+            if n:
+                raise MismatchError(f"{source}: the imatrix has no entry for '{name}' (made for another model?)")
+            continue
+        residual.set_exact_channels(name, np.argsort(-np.asarray(v), kind="stable")[:n].tolist() if n else [])
+
+
 def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str], text: str | os.PathLike[str], *,
              vs: list[str | os.PathLike[str]] = (), n_ctx: int = 512, max_chunks: int | None = None,
              threads: int | None = None, precision: str = "auto", log: Callable[[str], None] | None = None,
              progress=None, rpc: str | None = None, rpc_timeout: float = 60.0,
              n_gpu_layers: int | None = None, act_bits: str = "auto",
-             kernels: str | list[str] | None = None) -> EvalReport:
+             kernels: str | list[str] | None = None, numerics: str | list[str] | None = None,
+             outliers: str | list[int] | None = None, outlier_imatrix: str | os.PathLike[str] | None = None) -> EvalReport:
     """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``. With
     ``rpc`` or ``n_gpu_layers``, the verifier whose base is on those RPC servers or on the GPU (add
     mode) is scored too, after the all-local one. ``kernels`` (:func:`check_kernels`): score each
     verifier once per kernel family, pinned for all its products (as ``BITSPLIT_KERNEL`` pins one),
-    against the one reference pass."""
+    against the one reference pass. ``numerics`` (:func:`check_numerics_list`): score the all-local
+    verifier once per backend whose activation rounding before ``W2 . x`` the host emulates
+    (native/numerics.c), with ``R . x`` as add mode computes it: the verifier that device would give;
+    ``outliers`` (numbers of channels, each row's largest kept exact: a correction measured before it is
+    built): each emulated backend once per number; with ``outlier_imatrix``, each weight's channels of
+    largest importance in that imatrix, the same for every row (the host would keep those columns as a
+    dense slab), instead of each row's largest."""
     from ..formats.modeldir import validate_split
     from ..runtime.llamacpp import Context, Model, default_threads
     from ..runtime.verifier import SplitModel
@@ -144,6 +212,17 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
     if max_chunks is not None and max_chunks < 1:
         raise InvalidOptionError(f"--chunks: {max_chunks} is not a positive integer")
     kernels = check_kernels(kernels)
+    numerics = check_numerics_list(numerics)
+    outliers = check_outliers_list(outliers)
+    if outliers != [0] and not numerics:
+        raise InvalidOptionError("--outlier-channels applies to emulated device numerics: give --device-numerics too")
+    importance = None
+    if outlier_imatrix is not None:
+        from ..formats.imatrix import load_imatrix
+
+        if outliers == [0]:
+            raise InvalidOptionError("--outlier-imatrix chooses the channels --outlier-channels counts: give it too")
+        importance = load_imatrix(outlier_imatrix)
     threads = threads or default_threads()
     base_p, _ = validate_split(model_dir)
     if rpc:
@@ -235,13 +314,14 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
             return consume, finish
 
         # the split verifier first (all local, then with its base on the RPC servers)
-        configs = [("bitsplit verifier", {})]
+        configs = [("bitsplit verifier", {}, numerics or ["host"])]
         if rpc or n_gpu_layers:
             where = f"rpc {rpc}" if rpc else "the GPU"
             ngl = "" if n_gpu_layers is None else f" (-ngl {n_gpu_layers})"
             configs.append((f"bitsplit verifier, base on {where}{ngl}",
-                            {"rpc": rpc, "rpc_timeout": rpc_timeout, "n_gpu_layers": n_gpu_layers}))
-        for name, kw in configs:
+                            {"rpc": rpc, "rpc_timeout": rpc_timeout, "n_gpu_layers": n_gpu_layers},
+                            ["rpc" if rpc else "gpu"]))
+        for name, kw, numerics_here in configs:
             sm = SplitModel(model_dir, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, precision=precision,
                             act_bits=act_bits, **kw)
             try:
@@ -249,8 +329,19 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
                     raise MismatchError(f"{model_dir}: vocabulary differs from the reference")
                 ts = sm.residual.tensors()
                 first = ts[0][0] if ts else None  # none: every layer kept whole
-                for fam in kernels or [None]:
-                    label = name if fam is None else f"{name} ({fam})"
+                runs = [(n, o, f) for n in numerics_here for o in (outliers if n not in ("host", "rpc", "gpu") else [0])
+                        for f in (kernels or [None])]
+                for num, out_ch, fam in runs:
+                    label = name if num in ("host", "rpc", "gpu") or numerics is None else f"{name}, {num} numerics"
+                    if out_ch:
+                        label = f"{label}, {out_ch} {'fixed ' if importance else ''}exact channels"
+                    if importance is not None and num not in ("rpc", "gpu"):
+                        _set_fixed_channels(sm.residual, ts, importance, out_ch, outlier_imatrix)
+                    if fam is not None:
+                        label = f"{label} ({fam})"
+                    if num not in ("rpc", "gpu"):
+                        sm.residual.set_numerics(num, out_ch)
+                    sm.residual.reset_counters()
                     if fam is not None:
                         sm.residual.set_kernel(fam)  # pinned for every pass: the verifier is batch-invariant
                     if progress:
@@ -263,6 +354,12 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
                             ctx.decode(chunk, positions)
                             consume(i, ctx.logits(n_ctx))
                     score = finish(time.monotonic() - t0)
+                    score.numerics = num
+                    if out_ch:
+                        c = sm.residual.counters()
+                        score.outliers = out_ch
+                        score.outliers_fixed = importance is not None
+                        score.outlier_bytes_share = c.bytes_outlier_base / max(c.bytes_residual, 1)
                     score.act_bits = sm.residual.act_bits
                     # what computed the products (of the first weight; one family for all with --kernel)
                     if first is not None:
@@ -275,6 +372,8 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
             if progress:
                 progress.phase(v.name, n_chunks, 0)
             consume, finish = scorer(v.name, str(v))
-            report.models.append(finish(run_plain(v, consume)))
+            score = finish(run_plain(v, consume))
+            score.numerics = "cpu"  # llama.cpp's CPU backend computed it
+            report.models.append(score)
         del ref_lp
     return report

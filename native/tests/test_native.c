@@ -686,6 +686,28 @@ static void test_api_edges(const model * m, const char * work) {
     float x = 0, y = 0;
     CHECK(bitsplit_ctx_matmul(NULL, "x", &x, 1, &y, true) == BITSPLIT_E_INVALID, "matmul(NULL)");
     CHECK(bitsplit_eval_callback(NULL, true, NULL) == false, "callback(NULL, ask)");
+    /* emulated numerics: bad values refused, the rounding's own edges */
+    CHECK(bitsplit_ctx_set_numerics(NULL, BITSPLIT_NUMERICS_CPU, 0) == BITSPLIT_E_INVALID, "set_numerics(NULL)");
+    {
+        float xr[512], xo[512];
+        for (int i = 0; i < 512; i++) xr[i] = (float)((i * 37) % 101 - 50) * (i == 3 ? 90.0f : 1.0f);
+        CHECK(bitsplit_round_activations(BITSPLIT_NUMERICS_FLOAT + 1, GGML_TYPE_Q2_K, 512, 1, 0, xr, xo) ==
+                  BITSPLIT_E_INVALID, "round: bad numerics");
+        CHECK(bitsplit_round_activations(BITSPLIT_NUMERICS_CPU, GGML_TYPE_Q2_K, 512, 1, BITSPLIT_MAX_OUTLIERS + 1, xr,
+                                         xo) == BITSPLIT_E_INVALID, "round: too many outliers");
+        CHECK(bitsplit_round_activations(BITSPLIT_NUMERICS_CPU, GGML_TYPE_Q2_K, 512, 1, 0, NULL, xo) == BITSPLIT_E_INVALID,
+              "round: NULL x");
+        CHECK(bitsplit_round_activations(BITSPLIT_NUMERICS_CPU, GGML_TYPE_Q2_K, 96, 1, 0, xr, xo) ==
+                  BITSPLIT_E_UNSUPPORTED, "round: a width Q8_K's block does not divide");
+        CHECK(bitsplit_round_activations(BITSPLIT_NUMERICS_CPU, GGML_TYPE_COUNT, 512, 1, 0, xr, xo) == BITSPLIT_E_INVALID,
+              "round: a type past ggml's");
+        /* outliers: as many as the row is wide, all exact; in place */
+        CHECK(bitsplit_round_activations(BITSPLIT_NUMERICS_CUDA, GGML_TYPE_Q8_0, 32, 1, 64, xr, xo) == BITSPLIT_OK &&
+                  memcmp(xr, xo, 32 * sizeof(float)) == 0, "round: every channel exact");
+        memcpy(xo, xr, sizeof(xr));
+        CHECK(bitsplit_round_activations(BITSPLIT_NUMERICS_CPU, GGML_TYPE_Q2_K, 512, 1, 4, xo, xo) == BITSPLIT_OK &&
+                  xo[3] == xr[3], "round: in place, the outlier exact");
+    }
     CHECK(bitsplit_eval_callback(NULL, false, NULL) == true, "callback(NULL, !ask)");
     for (int s = 0; s <= 8; s++) CHECK(bitsplit_status_str(s) != NULL && bitsplit_status_str(s)[0], "status_str(%d)", s);
     CHECK(bitsplit_status_str(-5) != NULL, "status_str(-5)");
@@ -1201,6 +1223,41 @@ static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mte
         }
         /* a reused graph: seen again while enabled, the node is restored and replaced afresh */
         CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_CUSTOM, "%s: re-ask", what);
+        /* emulated device numerics (numerics.c), with and without exact outlier channels: W2 . x-rounded,
+         * then R . x added, on 1 and 3 threads alike; the base bytes of the outliers' blocks counted */
+        static const int nums[][2] = {{BITSPLIT_NUMERICS_CPU, 0}, {BITSPLIT_NUMERICS_CUDA, 4}, {BITSPLIT_NUMERICS_FLOAT, 64}};
+        for (size_t ni = 0; ni < sizeof(nums) / sizeof(nums[0]); ni++) {
+            CHECK(bitsplit_ctx_set_numerics(ctx, nums[ni][0], nums[ni][1]) == BITSPLIT_OK, "set_numerics");
+            bitsplit_ctx_reset_counters(ctx);
+            const bool ok = bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_CUSTOM;
+            bitsplit_counters c;
+            bitsplit_ctx_get_counters(ctx, &c);
+            if (c.n_errors != 0) { /* a width the rule's block does not divide: refused, with an error */
+                CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_E_UNSUPPORTED &&
+                      strstr(err, "device numerics") != NULL, "%s: numerics %d refusal: %s", what, nums[ni][0], err);
+                continue;
+            }
+            CHECK(ok, "%s: numerics %d not replaced", what, nums[ni][0]);
+            if (!ok || !run_custom(Y, 1)) {
+                continue;
+            }
+            float * yn = malloc((size_t)(N * n_cols) * sizeof(float));
+            memcpy(yn, Y->data, (size_t)(N * n_cols) * sizeof(float));
+            memset(Y->data, 0, ggml_nbytes(Y));
+            run_custom(Y, 3);
+            CHECK(memcmp(Y->data, yn, (size_t)(N * n_cols) * sizeof(float)) == 0, "%s: numerics %d: 3 threads differ",
+                  what, nums[ni][0]);
+            bool finite = true;
+            for (int64_t i = 0; i < N * n_cols; i++) finite = finite && isfinite(yn[i]);
+            bitsplit_ctx_get_counters(ctx, &c);
+            CHECK(finite && c.n_errors == 0 && c.n_products == 2 && (c.bytes_outlier_base > 0) == (nums[ni][1] > 0),
+                  "%s: numerics %d: finite %d, errors %llu, products %llu, outlier bytes %llu", what, nums[ni][0], finite,
+                  (unsigned long long)c.n_errors, (unsigned long long)c.n_products,
+                  (unsigned long long)c.bytes_outlier_base);
+            free(yn);
+        }
+        CHECK(bitsplit_ctx_set_numerics(ctx, BITSPLIT_NUMERICS_HOST, 0) == BITSPLIT_OK, "numerics back to host");
+        CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_CUSTOM, "%s: re-ask (host)", what);
     }
     /* disabled again: the node gets its own op and params back */
     bitsplit_ctx_set_enabled(ctx, false);
