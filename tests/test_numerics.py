@@ -284,3 +284,31 @@ def test_fixed_exact_channels_per_weight(tiny_split):
                 ctx.decode(TEXT, list(range(len(TEXT))))
                 outs.append(ctx.logits(len(TEXT)).copy())
     assert np.array_equal(outs[0], got) and np.array_equal(outs[1], cpu)
+
+
+def test_eval_with_fixed_channels_from_an_imatrix(tiny_split, tiny_f32, tmp_path):
+    """--outlier-imatrix: each weight's channels of largest importance, the same for every row; the
+    token embedding (a lookup, in no imatrix) gets none; an imatrix of another model is refused"""
+    from bitsplit_llama.errors import MismatchError
+    from bitsplit_llama.formats.imatrix import load_imatrix, write_imatrix
+    from bitsplit_llama.tools.imatrix import calibration_text, compute_imatrix
+    from bitsplit_llama.tools.quality import evaluate
+
+    imx = tmp_path / "tiny.imatrix.gguf"
+    compute_imatrix(tiny_f32, calibration_text(), imx, chunks=2, n_ctx=64)
+    text = tmp_path / "t.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 60)
+    rep = evaluate(tiny_split, tiny_f32, text, n_ctx=64, max_chunks=2, numerics="cpu", outliers="0,4",
+                   outlier_imatrix=imx)
+    rows = [m.to_json() for m in rep.models]
+    assert [(r["numerics"], r.get("outliers"), r.get("outliers_fixed")) for r in rows] == [("cpu", None, None),
+                                                                                          ("cpu", 4, True)]
+    assert 0 < rows[1]["outlier_bytes_share"] < 0.05  # a slab of 4 columns per weight, in halves
+    assert rows[1]["kl_mean"] != rows[0]["kl_mean"]
+    other = tmp_path / "other.imatrix.gguf"
+    write_imatrix(other, {f"x.{k}": (v[None, :], np.ones(1, np.float32)) for k, v in load_imatrix(imx).items()},
+                  architecture="llama", datasets=["t"], chunk_count=1, chunk_size=64)
+    with pytest.raises(MismatchError, match="names none of the split's weights"):
+        evaluate(tiny_split, tiny_f32, text, n_ctx=64, max_chunks=1, numerics="cpu", outliers="4", outlier_imatrix=other)
+    with pytest.raises(InvalidOptionError, match="give it too"):
+        evaluate(tiny_split, tiny_f32, text, n_ctx=64, max_chunks=1, numerics="cpu", outlier_imatrix=imx)

@@ -174,15 +174,21 @@ def check_outliers_list(value: str | list[int] | None) -> list[int]:
     return out
 
 
-def _set_fixed_channels(residual, tensors, importance: dict, n: int, source) -> None:
-    """Each residual weight's ``n`` channels of largest importance (0: none) as its fixed exact set."""
-    for name, *_ in tensors:
+def set_fixed_channels(residual, tensors, importance: dict, n: int, source) -> None:
+    """Each residual weight's ``n`` channels of largest importance (0: none) as its fixed exact set. A
+    weight the imatrix does not name (the token embedding: a lookup, no product) gets none; an imatrix
+    naming none of them is another model's."""
+    found = 0
+    for name, ne, *_ in tensors:
         v = importance.get(name)
         if v is None:
-            if n:
-                raise MismatchError(f"{source}: the imatrix has no entry for '{name}' (made for another model?)")
             continue
+        if len(v) != ne[0]:
+            raise MismatchError(f"{source}: the imatrix entry for '{name}' has {len(v)} columns, the weight {ne[0]}")
+        found += 1
         residual.set_exact_channels(name, np.argsort(-np.asarray(v), kind="stable")[:n].tolist() if n else [])
+    if not found and tensors:
+        raise MismatchError(f"{source}: the imatrix names none of the split's weights (made for another model?)")
 
 
 def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str], text: str | os.PathLike[str], *,
@@ -336,11 +342,11 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
                     if out_ch:
                         label = f"{label}, {out_ch} {'fixed ' if importance else ''}exact channels"
                     if importance is not None and num not in ("rpc", "gpu"):
-                        _set_fixed_channels(sm.residual, ts, importance, out_ch, outlier_imatrix)
+                        set_fixed_channels(sm.residual, ts, importance, out_ch, outlier_imatrix)
                     if fam is not None:
                         label = f"{label} ({fam})"
-                    if num not in ("rpc", "gpu"):
-                        sm.residual.set_numerics(num, out_ch)
+                    if num not in ("rpc", "gpu"):  # fixed sets alone where an imatrix names them
+                        sm.residual.set_numerics(num, 0 if importance is not None else out_ch)
                     sm.residual.reset_counters()
                     if fam is not None:
                         sm.residual.set_kernel(fam)  # pinned for every pass: the verifier is batch-invariant
