@@ -6,7 +6,7 @@ hold them (native counter ``bytes_outlier_base``), with a fixed set per weight (
 slab of N columns. This decodes a prompt, then passes of 1, 4 and 16 rows, and prints those bytes as a
 share of the residual's bytes over the same passes (the issue's gate: at most 15% more host bytes).
 
-    python bench/outlier_bytes.py SPLIT [--text FILE] [--numerics cpu] [--outliers 4,16] [--imatrix FILE]
+    python bench/outlier_bytes.py SPLIT [--text FILE] [--numerics cpu] [--outliers 4,16] [--imatrix FILE [--pool P]]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256, help="tokens decoded first (their passes not counted)")
     ap.add_argument("--imatrix", default=None, help="fixed sets: each weight's N channels of largest importance")
+    ap.add_argument("--pool", type=int, default=None,
+                    help="with --imatrix: each weight's P most important channels the slab, each row's N among them")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
 
@@ -53,8 +55,8 @@ def main() -> int:
         ts = sm.residual.tensors()
         for n in [int(v) for v in a.outliers.split(",")]:
             if importance is not None:
-                set_fixed_channels(sm.residual, ts, importance, n, a.imatrix)
-            sm.residual.set_numerics(a.numerics, 0 if importance is not None else n)
+                set_fixed_channels(sm.residual, ts, importance, a.pool or n, a.imatrix)
+            sm.residual.set_numerics(a.numerics, 0 if importance is not None and not a.pool else n)
             for rows in rows_list:
                 sm.ctx.clear()
                 with sm.verifying() as ctx:
@@ -67,12 +69,13 @@ def main() -> int:
                         pos += rows
                 c = sm.residual.counters()
                 share = c.bytes_outlier_base / max(c.bytes_residual, 1)
-                row = {"numerics": a.numerics, "outliers": n, "fixed": importance is not None, "rows": rows,
+                row = {"numerics": a.numerics, "outliers": n, "fixed": importance is not None, "pool": a.pool, "rows": rows,
                        "passes": a.passes, "outlier_bytes_share": round(share, 4),
                        "outlier_bytes_per_pass": c.bytes_outlier_base // a.passes,
                        "residual_bytes_per_pass": c.bytes_residual // a.passes}
                 out.append(row)
-                print(f"N={n:3d} {'fixed' if row['fixed'] else 'per row'} rows={rows:3d}: outlier base bytes "
+                kind = f"of {a.pool}" if a.pool else "fixed" if row["fixed"] else "per row"
+                print(f"N={n:3d} {kind} rows={rows:3d}: outlier base bytes "
                       f"{share:.1%} of the residual's ({row['outlier_bytes_per_pass'] / 1e6:.2f} MB per pass)")
     print(json.dumps({"outlier_bytes": out}))
     return 0

@@ -784,6 +784,10 @@ def eval_(
         help="With --outlier-channels: each weight's N channels of largest importance in this imatrix (bitsplit "
              "imatrix), the same for every row (the host would keep those columns as a dense slab), instead of "
              "each row's own N largest."),
+    outlier_pool: Optional[int] = typer.Option(
+        None, "--outlier-pool", metavar="P",
+        help="With --outlier-imatrix: each weight's P most important channels are the host's slab, and each row "
+             "takes its own N largest among them."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as one JSON line."),
 ) -> None:
@@ -798,7 +802,8 @@ def eval_(
     rep = evaluate(model_dir, reference, text, vs=vs, n_ctx=n_ctx, max_chunks=chunks, threads=threads,
                    precision=precision, log=say, progress=make_progress(quiet or as_json), rpc=rpc,
                    rpc_timeout=rpc_timeout, n_gpu_layers=n_gpu_layers, act_bits=act_bits, kernels=kernel,
-                   numerics=device_numerics, outliers=outlier_channels, outlier_imatrix=outlier_imatrix)
+                   numerics=device_numerics, outliers=outlier_channels, outlier_imatrix=outlier_imatrix,
+                   outlier_pool=outlier_pool)
     if as_json:
         _print_json(rep.to_json())
         return

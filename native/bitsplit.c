@@ -91,6 +91,7 @@ int bitsplit_ctx_set_exact_channels(bitsplit_ctx * ctx, const char * name, int n
         }
     }
     memcpy(e->exact_ch, channels, (size_t)n * sizeof(int32_t));
+    atomic_fetch_add(&ctx->n_exact_sets, (n > 0) - (e->n_exact_ch > 0));
     e->n_exact_ch = n;
     return BITSPLIT_OK;
 }

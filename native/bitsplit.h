@@ -162,8 +162,9 @@ int bitsplit_ctx_set_numerics(bitsplit_ctx * ctx, int numerics, int outliers);
 /* A fixed set of exact channels for the weight `name` under emulated numerics (each in [0, row
  * width), at most BITSPLIT_MAX_OUTLIERS; n = 0 clears it): every row takes these instead of its own
  * largest (the set an importance matrix names; the host would hold those columns as a dense slab of
- * N x n halves, counted in bytes_outlier_base). BITSPLIT_E_INVALID for an unknown name or bad
- * channels (the set is then unchanged). */
+ * N x n halves, counted in bytes_outlier_base); with bitsplit_ctx_set_numerics's outliers > 0, each
+ * row takes its `outliers` largest among them. While any weight has a set, a weight without one takes
+ * no exact channels. BITSPLIT_E_INVALID for an unknown name or bad channels (the set is then unchanged). */
 int bitsplit_ctx_set_exact_channels(bitsplit_ctx * ctx, const char * name, int n, const int32_t * channels);
 /* x (n_cols columns of K floats) rounded as `numerics` (with `outliers` exact channels per column)
  * rounds the activations of a pass of n_cols rows for weights of ggml type weight_type, into out

@@ -292,6 +292,7 @@ struct bitsplit_ctx {
     int mode;
     int numerics;                /* enum bitsplit_numerics (numerics.c): emulated device rounding */
     int numerics_outliers;       /* channels per row kept exact under it (0 to BITSPLIT_MAX_OUTLIERS) */
+    atomic_int n_exact_sets;     /* weights with a fixed exact set: then the others take none */
     bool replace_ok; /* custom-op layout check passed */
     /* A family pinned for decode passes (<= BS_DECODE_COLS columns) by bitsplit_ctx_set_kernel /
      * choose_kernel, so that every pass of a generation runs the same arithmetic; with pin_all
@@ -363,6 +364,9 @@ int bs_numerics_rule(int numerics, enum ggml_type t, int64_t n_rows, int64_t K);
 void bs_numerics_round(int rule, const float * x, int64_t K, float * out, int outliers, int32_t * sel);
 /* the same with the outlier channels given (sel, m of them, each in [0, K)) */
 void bs_numerics_round_fixed(int rule, const float * x, int64_t K, float * out, int m, const int32_t * sel);
+/* the column's m largest among the npool channels of pool (into sel) exact, the rest rounded */
+void bs_numerics_round_pool(int rule, const float * x, int64_t K, float * out, int m, const int32_t * pool, int npool,
+                            int32_t * sel);
 int bs_resolve_precision(const struct bitsplit_ctx * ctx, enum ggml_type base, enum ggml_type res);
 /* ctx's act_bits for a product with a residual of type res: 8-bit activations (true) or 16 */
 bool bs_resolve_act8(const struct bitsplit_ctx * ctx, enum ggml_type res);

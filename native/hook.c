@@ -75,10 +75,15 @@ static void mul_mat_numerics(struct ggml_tensor * dst, int ith, int nth, const b
     /* each column's exact channels: the weight's fixed set (a dense slab of those columns on the host),
      * else the column's own m largest */
     const bool fixed = e->n_exact_ch > 0;
-    const int m = fixed ? 0 : ctx->numerics_outliers < K ? ctx->numerics_outliers : (int)K;
+    /* once some weight has a fixed set (an imatrix's), one it does not name takes none */
+    const int m = fixed || atomic_load(&ctx->n_exact_sets) > 0 ? 0
+                  : ctx->numerics_outliers < K ? ctx->numerics_outliers : (int)K;
     int32_t * sel = (int32_t *)(xd + (size_t)n * (size_t)K);
     for (int64_t c = n * ith / nth; c < n * (ith + 1) / nth; c++) {
-        if (fixed) {
+        if (fixed && ctx->numerics_outliers > 0) { /* the row's own largest among the weight's set */
+            bs_numerics_round_pool(rule, xs + c * K, K, xd + c * K, ctx->numerics_outliers, e->exact_ch,
+                                   e->n_exact_ch, sel + c * BITSPLIT_MAX_OUTLIERS);
+        } else if (fixed) {
             bs_numerics_round_fixed(rule, xs + c * K, K, xd + c * K, e->n_exact_ch, e->exact_ch);
         } else {
             bs_numerics_round(rule, xs + c * K, K, xd + c * K, m, sel + c * m);

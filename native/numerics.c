@@ -32,7 +32,8 @@
  * longer set their blocks' scales) and taken exactly, as the host would compute W2[:, S] . x[S] from
  * the base's blocks that hold them; hook.c counts those blocks' bytes (bytes_outlier_base). Or a fixed
  * set per weight (bitsplit_ctx_set_exact_channels: from an importance matrix), the same for every
- * row, which the host would keep as a dense slab of those columns (N x m halves, counted so).
+ * row, which the host would keep as a dense slab of those columns (N x m halves, counted so); or,
+ * with outliers > 0 too, each row's `outliers` largest among that set (the slab's bytes as well).
  *
  * fp16 / bf16 rounding is written here (round to nearest, ties to even, as CUDA's __float2half and
  * ggml's conversions), so nothing beyond the C library is called.
@@ -251,6 +252,20 @@ static void top_channels(const float * x, int64_t K, int m, int32_t * idx) {
 }
 
 static void round_rule(enum rule r, const float * x, int64_t K, float * out);
+
+void bs_numerics_round_pool(int rule, const float * x, int64_t K, float * out, int m, const int32_t * pool, int npool,
+                            int32_t * sel) {
+    if (m >= npool) {
+        bs_numerics_round_fixed(rule, x, K, out, npool, pool);
+        return;
+    }
+    float g[BITSPLIT_MAX_OUTLIERS];
+    int32_t at[BITSPLIT_MAX_OUTLIERS];
+    for (int j = 0; j < npool; j++) g[j] = x[pool[j]];
+    top_channels(g, npool, m, at); /* the row's m largest among the pool */
+    for (int j = 0; j < m; j++) sel[j] = pool[at[j]];
+    bs_numerics_round_fixed(rule, x, K, out, m, sel);
+}
 
 void bs_numerics_round(int rule, const float * x, int64_t K, float * out, int outliers, int32_t * sel) {
     if (outliers <= 0) {

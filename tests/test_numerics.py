@@ -267,8 +267,19 @@ def test_fixed_exact_channels_per_weight(tiny_split):
     slab = sum(t[1][1] * 3 * 2 for t in ts)  # N x 3 halves for each weight, were each one product a pass
     assert 0 < c.bytes_outlier_base <= slab and c.bytes_outlier_base % 6 == 0
     assert not np.array_equal(got, cpu)
-    # a fixed set overrides the per-row choice
-    assert np.array_equal(_logits(tiny_split, numerics="cpu", outliers=8, fixed=fixed)[0], got)
+    # with a per-row count too, each row takes its own largest among the set: the slab's bytes, other values
+    pool = {n: list(range(0, 64, 4)) for n in fixed}
+    whole, c16 = _logits(tiny_split, numerics="cpu", fixed=pool)
+    some, c2 = _logits(tiny_split, numerics="cpu", outliers=2, fixed=pool)
+    assert c2.bytes_outlier_base == c16.bytes_outlier_base > 0
+    assert not np.array_equal(some, whole) and not np.array_equal(some, _logits(tiny_split, numerics="cpu", outliers=2)[0])
+    assert np.array_equal(_logits(tiny_split, numerics="cpu", outliers=16, fixed=pool)[0], whole)
+    # while any weight has a set, one without takes no exact channels (not each row's own)
+    w = next(t for t in ts if "token_embd" not in t[0])  # a weight with a product (the embedding is a lookup)
+    first = {w[0]: [0, 5, 9]}
+    partial, cp = _logits(tiny_split, numerics="cpu", outliers=8, fixed=first)
+    assert np.array_equal(partial, _logits(tiny_split, numerics="cpu", fixed=first)[0])
+    assert cp.bytes_outlier_base == w[1][1] * 3 * 2  # its slab alone, one pass
     # cleared (in the same context), the rows' rounding is back
     from bitsplit_llama.runtime.verifier import SplitModel
     from test_verifier import EXACT
@@ -312,3 +323,10 @@ def test_eval_with_fixed_channels_from_an_imatrix(tiny_split, tiny_f32, tmp_path
         evaluate(tiny_split, tiny_f32, text, n_ctx=64, max_chunks=1, numerics="cpu", outliers="4", outlier_imatrix=other)
     with pytest.raises(InvalidOptionError, match="give it too"):
         evaluate(tiny_split, tiny_f32, text, n_ctx=64, max_chunks=1, numerics="cpu", outlier_imatrix=imx)
+    rep = evaluate(tiny_split, tiny_f32, text, n_ctx=64, max_chunks=1, numerics="cuda", outliers="2",
+                   outlier_imatrix=imx, outlier_pool=16)
+    r = rep.models[0].to_json()
+    assert (r["outliers"], r["outlier_pool"], r["outliers_fixed"]) == (2, 16, True) and "of a fixed 16" in r["name"]
+    with pytest.raises(InvalidOptionError, match="--outlier-pool 1"):
+        evaluate(tiny_split, tiny_f32, text, n_ctx=64, max_chunks=1, numerics="cuda", outliers="2",
+                 outlier_imatrix=imx, outlier_pool=1)

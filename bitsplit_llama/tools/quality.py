@@ -48,11 +48,13 @@ class ModelScore:
     # base bytes the host would read for them, as a share of the residual's bytes over the same passes
     outliers: int | None = None
     outliers_fixed: bool | None = None  # from --outlier-imatrix: one set per weight, not each row's own
+    outlier_pool: int | None = None  # --outlier-pool: each row's own largest among the weight's set of this size
     outlier_bytes_share: float | None = None
 
     def to_json(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()
-                if v is not None or k not in ("act_bits", "kernel", "outliers", "outliers_fixed", "outlier_bytes_share")}
+                if v is not None or k not in ("act_bits", "kernel", "outliers", "outliers_fixed", "outlier_pool",
+                                                     "outlier_bytes_share")}
 
 
 @dataclass
@@ -197,7 +199,8 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
              progress=None, rpc: str | None = None, rpc_timeout: float = 60.0,
              n_gpu_layers: int | None = None, act_bits: str = "auto",
              kernels: str | list[str] | None = None, numerics: str | list[str] | None = None,
-             outliers: str | list[int] | None = None, outlier_imatrix: str | os.PathLike[str] | None = None) -> EvalReport:
+             outliers: str | list[int] | None = None, outlier_imatrix: str | os.PathLike[str] | None = None,
+             outlier_pool: int | None = None) -> EvalReport:
     """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``. With
     ``rpc`` or ``n_gpu_layers``, the verifier whose base is on those RPC servers or on the GPU (add
     mode) is scored too, after the all-local one. ``kernels`` (:func:`check_kernels`): score each
@@ -208,7 +211,8 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
     ``outliers`` (numbers of channels, each row's largest kept exact: a correction measured before it is
     built): each emulated backend once per number; with ``outlier_imatrix``, each weight's channels of
     largest importance in that imatrix, the same for every row (the host would keep those columns as a
-    dense slab), instead of each row's largest."""
+    dense slab), instead of each row's largest; with ``outlier_pool`` P too, each weight's P most
+    important channels are the slab and each row takes its own N largest among them."""
     from ..formats.modeldir import validate_split
     from ..runtime.llamacpp import Context, Model, default_threads
     from ..runtime.verifier import SplitModel
@@ -229,6 +233,13 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
         if outliers == [0]:
             raise InvalidOptionError("--outlier-imatrix chooses the channels --outlier-channels counts: give it too")
         importance = load_imatrix(outlier_imatrix)
+    if outlier_pool is not None:
+        from ..native.residual import check_outliers
+
+        check_outliers(outlier_pool, "--outlier-pool")
+        if importance is None or outlier_pool < max(outliers):
+            raise InvalidOptionError(f"--outlier-pool {outlier_pool}: needs --outlier-imatrix and at least the largest "
+                                     f"--outlier-channels ({max(outliers)})")
     threads = threads or default_threads()
     base_p, _ = validate_split(model_dir)
     if rpc:
@@ -339,14 +350,16 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
                         for f in (kernels or [None])]
                 for num, out_ch, fam in runs:
                     label = name if num in ("host", "rpc", "gpu") or numerics is None else f"{name}, {num} numerics"
+                    pool = outlier_pool if out_ch and outlier_pool else None
                     if out_ch:
-                        label = f"{label}, {out_ch} {'fixed ' if importance else ''}exact channels"
+                        kind = f"of a fixed {pool} " if pool else "fixed " if importance is not None else ""
+                        label = f"{label}, {out_ch} {kind}exact channels"
                     if importance is not None and num not in ("rpc", "gpu"):
-                        set_fixed_channels(sm.residual, ts, importance, out_ch, outlier_imatrix)
+                        set_fixed_channels(sm.residual, ts, importance, pool or out_ch, outlier_imatrix)
                     if fam is not None:
                         label = f"{label} ({fam})"
                     if num not in ("rpc", "gpu"):  # fixed sets alone where an imatrix names them
-                        sm.residual.set_numerics(num, 0 if importance is not None else out_ch)
+                        sm.residual.set_numerics(num, 0 if importance is not None and not pool else out_ch)
                     sm.residual.reset_counters()
                     if fam is not None:
                         sm.residual.set_kernel(fam)  # pinned for every pass: the verifier is batch-invariant
@@ -365,6 +378,7 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
                         c = sm.residual.counters()
                         score.outliers = out_ch
                         score.outliers_fixed = importance is not None
+                        score.outlier_pool = pool
                         score.outlier_bytes_share = c.bytes_outlier_base / max(c.bytes_residual, 1)
                     score.act_bits = sm.residual.act_bits
                     # what computed the products (of the first weight; one family for all with --kernel)
