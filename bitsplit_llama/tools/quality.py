@@ -113,6 +113,21 @@ def load_text_tokens(model, text_path: Path) -> list[int]:
     return model.tokenize(text, add_special=False)
 
 
+def _option_list(value: str | list, check: Callable, everything: list | None = None) -> list:
+    """A comma-separated option's items (or a list's), each through ``check`` (the item as used, or one
+    message naming it), repeats dropped; "all" alone: ``everything``."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    items = [v.strip() if isinstance(v, str) else v for v in items]
+    if everything is not None and items == ["all"]:
+        return list(everything)
+    out: list = []
+    for v in items:
+        v = check(v)
+        if v not in out:
+            out.append(v)
+    return out
+
+
 def check_kernels(value: str | list[str] | None) -> list[str] | None:
     """``--kernel``: comma-separated kernel families this CPU runs (under ``BITSPLIT_MAX_ISA``), or
     "all" (every one of them, the policy's order); None: the kernel policy's choice."""
@@ -121,18 +136,14 @@ def check_kernels(value: str | list[str] | None) -> list[str] | None:
     from ..native import policy
 
     here = policy.families()
-    names = value.split(",") if isinstance(value, str) else list(value)
-    names = [n.strip() for n in names]
-    if names == ["all"]:
-        return here
-    out: list[str] = []
-    for n in names:
+
+    def family(n: str) -> str:
         if n not in here:
             raise InvalidOptionError(f"--kernel: '{n}' is not a kernel family that runs {policy.where_here()} (expected 'all' or "
                                      f"a comma-separated list of: {', '.join(here)})")
-        if n not in out:
-            out.append(n)
-    return out
+        return n
+
+    return _option_list(value, family, here)
 
 
 def check_numerics_list(value: str | list[str] | None) -> list[str] | None:
@@ -142,18 +153,7 @@ def check_numerics_list(value: str | list[str] | None) -> list[str] | None:
 
     if value is None:
         return None
-    names = value if isinstance(value, list) else [v.strip() for v in str(value).split(",") if v.strip()]
-    if names == ["all"]:
-        return list(NUMERICS)
-    if not names:
-        raise InvalidOptionError(f"--device-numerics: '{value}' names no backend (expected 'all' or a comma-separated "
-                                 f"list of: {', '.join(NUMERICS)})")
-    out: list[str] = []
-    for n in names:
-        check_numerics(n)
-        if n not in out:
-            out.append(n)
-    return out
+    return _option_list(value, check_numerics, list(NUMERICS))
 
 
 def check_outliers_list(value: str | list[int] | None) -> list[int]:
@@ -162,18 +162,15 @@ def check_outliers_list(value: str | list[int] | None) -> list[int]:
 
     if value is None:
         return [0]
-    items = value if isinstance(value, list) else [v.strip() for v in str(value).split(",") if v.strip()]
-    out = []
-    for v in items:
+
+    def channels(v) -> int:
         try:
             n = int(v)
         except (TypeError, ValueError):
             raise InvalidOptionError(f"--outlier-channels: '{v}' is not a number of channels") from None
-        if check_outliers(n) not in out:
-            out.append(n)
-    if not out:
-        raise InvalidOptionError(f"--outlier-channels: '{value}' names no number")
-    return out
+        return check_outliers(n)
+
+    return _option_list(value, channels)
 
 
 def set_fixed_channels(residual, tensors, importance: dict, n: int, source) -> None:
