@@ -362,9 +362,8 @@ int bs_numerics_rule(int numerics, enum ggml_type t, int64_t n_rows, int64_t K);
 /* with outliers > 0: the column's `outliers` channels of largest magnitude (their indices into sel)
  * kept exact, the rest rounded without them */
 void bs_numerics_round(int rule, const float * x, int64_t K, float * out, int outliers, int32_t * sel);
-/* the same with the outlier channels given (sel, m of them, each in [0, K)) */
-void bs_numerics_round_fixed(int rule, const float * x, int64_t K, float * out, int m, const int32_t * sel);
-/* the column's m largest among the npool channels of pool (into sel) exact, the rest rounded */
+/* the column's m largest among the npool channels of pool (into sel; all of them where m >= npool)
+ * exact, the rest rounded */
 void bs_numerics_round_pool(int rule, const float * x, int64_t K, float * out, int m, const int32_t * pool, int npool,
                             int32_t * sel);
 int bs_resolve_precision(const struct bitsplit_ctx * ctx, enum ggml_type base, enum ggml_type res);

@@ -80,11 +80,10 @@ static void mul_mat_numerics(struct ggml_tensor * dst, int ith, int nth, const b
                   : ctx->numerics_outliers < K ? ctx->numerics_outliers : (int)K;
     int32_t * sel = (int32_t *)(xd + (size_t)n * (size_t)K);
     for (int64_t c = n * ith / nth; c < n * (ith + 1) / nth; c++) {
-        if (fixed && ctx->numerics_outliers > 0) { /* the row's own largest among the weight's set */
-            bs_numerics_round_pool(rule, xs + c * K, K, xd + c * K, ctx->numerics_outliers, e->exact_ch,
-                                   e->n_exact_ch, sel + c * BITSPLIT_MAX_OUTLIERS);
-        } else if (fixed) {
-            bs_numerics_round_fixed(rule, xs + c * K, K, xd + c * K, e->n_exact_ch, e->exact_ch);
+        if (fixed) { /* the whole set, or the row's own largest among it */
+            const int take = ctx->numerics_outliers > 0 ? ctx->numerics_outliers : e->n_exact_ch;
+            bs_numerics_round_pool(rule, xs + c * K, K, xd + c * K, take, e->exact_ch, e->n_exact_ch,
+                                   sel + c * BITSPLIT_MAX_OUTLIERS);
         } else {
             bs_numerics_round(rule, xs + c * K, K, xd + c * K, m, sel + c * m);
         }

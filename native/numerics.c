@@ -253,10 +253,13 @@ static void top_channels(const float * x, int64_t K, int m, int32_t * idx) {
 
 static void round_rule(enum rule r, const float * x, int64_t K, float * out);
 
+/* the m channels sel (each in [0, K)) exact, the rest rounded without them */
+static void round_fixed(int rule, const float * x, int64_t K, float * out, int m, const int32_t * sel);
+
 void bs_numerics_round_pool(int rule, const float * x, int64_t K, float * out, int m, const int32_t * pool, int npool,
                             int32_t * sel) {
     if (m >= npool) {
-        bs_numerics_round_fixed(rule, x, K, out, npool, pool);
+        round_fixed(rule, x, K, out, npool, pool);
         return;
     }
     float g[BITSPLIT_MAX_OUTLIERS];
@@ -264,7 +267,7 @@ void bs_numerics_round_pool(int rule, const float * x, int64_t K, float * out, i
     for (int j = 0; j < npool; j++) g[j] = x[pool[j]];
     top_channels(g, npool, m, at); /* the row's m largest among the pool */
     for (int j = 0; j < m; j++) sel[j] = pool[at[j]];
-    bs_numerics_round_fixed(rule, x, K, out, m, sel);
+    round_fixed(rule, x, K, out, m, sel);
 }
 
 void bs_numerics_round(int rule, const float * x, int64_t K, float * out, int outliers, int32_t * sel) {
@@ -274,10 +277,10 @@ void bs_numerics_round(int rule, const float * x, int64_t K, float * out, int ou
     }
     const int m = outliers < K ? outliers : (int)K;
     top_channels(x, K, m, sel);
-    bs_numerics_round_fixed(rule, x, K, out, m, sel);
+    round_fixed(rule, x, K, out, m, sel);
 }
 
-void bs_numerics_round_fixed(int rule, const float * x, int64_t K, float * out, int m, const int32_t * sel) {
+static void round_fixed(int rule, const float * x, int64_t K, float * out, int m, const int32_t * sel) {
     float keep[BITSPLIT_MAX_OUTLIERS];
     for (int j = 0; j < m; j++) keep[j] = x[sel[j]];
     if (out != x) memcpy(out, x, (size_t)K * sizeof(float));
