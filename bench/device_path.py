@@ -1,6 +1,7 @@
 """Add mode's cost per verify pass, with and without overlap, against the all-local verifier.
 
     python bench/device_path.py SPLIT --rpc HOST:PORT [--batches 1,4,16] [--repeat 5] [--threads N]
+                                [--compensation cpu|cuda|...|off]
 
 Loads the split twice in this process: all local (every product replaced by the native kernels),
 and with the base on the device (``--rpc``, or the GPU with ``--gpu``; every product completed in
@@ -15,6 +16,12 @@ residual off (``device_ms``: the base's layers alone, what the device costs), so
 add mode's synchronisations, copies and waking cost beyond the two computations it overlaps. The
 last line is one JSON object; its top-level ``overhead_per_product_us`` (the median over the batches,
 with overlap) is what ``bitsplit plan`` reads from a ``gpu_check*.json`` (``--product-overhead-us``).
+
+Timed in turn too (unless ``--compensation off``): the pass with overlap and the device's rounding
+compensated (native/compensate.c: a second product of the base on the device, ``W2 . (x - round(x))``,
+the default of ``run``): ``compensated_ms``, ``compensation_cost`` (its ratio to the uncompensated
+pass with overlap), and the time in those second products (the host's ``e``, the transfers, the
+device's graph). The ``overhead_per_product_us`` figures are the uncompensated passes'.
 
 What it implies for a GPU over PCIe (the inputs ``bitsplit plan`` uses): ``plan`` charges each
 hooked product ``2 * latency + activation bytes / B_pcie`` on top of the residual; these figures
@@ -58,34 +65,42 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="this process's threads (the server has its own)")
+    ap.add_argument("--compensation", default=None, metavar="RULE",
+                    help="also time passes with the device's rounding compensated by a second product on the device, "
+                         "by this rule (default: cpu for --rpc, cuda for --gpu; off: not timed)")
     a = ap.parse_args()
     if bool(a.rpc) == a.gpu:
         ap.error("give exactly one of --rpc HOST:PORT or --gpu")
     batches = [int(b) for b in a.batches.split(",")]
     n_batch = max(batches + [CONTEXT])
     dev_kw = {"rpc": a.rpc} if a.rpc else {"n_gpu_layers": 99}
+    comp = a.compensation or ("cpu" if a.rpc else "cuda")
+    modes = ("overlap", "sequential") + (("compensated",) if comp != "off" else ())
     local = SplitModel(a.split, n_ctx=512, n_batch=n_batch, n_threads=a.threads)
     dev = SplitModel(a.split, n_ctx=512, n_batch=n_batch, n_threads=a.threads, **dev_kw)
-    out = {"split": a.split, "device": a.rpc or "gpu", "threads": local.ctx.n_threads, "batches": {}}
+    out = {"split": a.split, "device": a.rpc or "gpu", "threads": local.ctx.n_threads, "batches": {},
+           "compensation": comp}
     try:
         for sm in (local, dev):
             sm.ctx.clear()
             with sm.verifying() as ctx:
                 ctx.decode([1] + [400 + i for i in range(CONTEXT - 1)], list(range(CONTEXT)), logits=False)
         for rows in batches:
-            times = {"local": [], "device": [], "overlap": [], "sequential": []}
-            per = {"overlap": [], "sequential": []}
+            times = {"local": [], "device": [], **{m: [] for m in modes}}
+            per = {m: [] for m in modes}
             _pass(dev, rows)  # learn the inputs (first pass) and warm up
             _pass(dev, rows, verify=False)
             _pass(local, rows)
             for _ in range(a.repeat):
                 times["local"].append(_pass(local, rows)[0])
                 times["device"].append(_pass(dev, rows, verify=False)[0])
-                for mode in ("overlap", "sequential"):
-                    dev.residual.set_overlap(mode == "overlap")
+                for mode in modes:
+                    dev.residual.set_overlap(mode != "sequential")
+                    dev.residual.set_compensation(comp if mode == "compensated" else "host")
                     dt, c0, c1 = _pass(dev, rows)
                     times[mode].append(dt)
                     per[mode].append((c0, c1))
+                dev.residual.set_compensation("host")
             row = {k: round(1e3 * statistics.median(v), 2) for k, v in times.items()}
             row = {f"{k}_ms": v for k, v in row.items()}
             for mode, pairs in per.items():
@@ -102,12 +117,17 @@ def main() -> None:
                     "residual_ms": med(lambda x, y: y.seconds_inside - x.seconds_inside),
                     "wait_ms": med(lambda x, y: y.seconds_wait - x.seconds_wait),
                 }
+                if mode == "compensated":  # the second products: the host's e, the transfers, the device's graph
+                    row[mode]["compensated"] = c1.n_compensated - c0.n_compensated
+                    row[mode]["compensate_ms"] = med(lambda x, y: y.seconds_compensate - x.seconds_compensate)
                 # beyond the larger of the device's own pass and the host's R . x (which overlap can hide
                 # behind each other at best): synchronisations, copies, waking, the callback
                 floor = max(row["device_ms"], row[mode]["residual_ms"])
                 row[mode]["overhead_per_product_us"] = round(1e3 * (row[f"{mode}_ms"] - floor) / max(1, prods), 1)
                 row[mode]["syncs_per_product"] = round(row[mode]["syncs"] / max(1, prods), 2)
             row["overlap_gain"] = round(row["sequential_ms"] / row["overlap_ms"], 3)
+            if "compensated" in modes:
+                row["compensation_cost"] = round(row["compensated_ms"] / row["overlap_ms"], 3)
             row["device_vs_local"] = round(row["overlap_ms"] / row["local_ms"], 3)
             out["batches"][rows] = row
             print(f"{rows:>3} rows: local {row['local_ms']:.1f} ms, device alone {row['device_ms']:.1f} ms, "
@@ -118,7 +138,11 @@ def main() -> None:
                   f"{row['overlap']['bytes_to_device'] / 1e6:.2f} MB to the device, transfers "
                   f"{row['overlap']['transfer_ms']:.1f} ms, R.x {row['overlap']['residual_ms']:.1f} ms, wait "
                   f"{row['overlap']['wait_ms']:.1f} ms; overhead per product {row['overlap']['overhead_per_product_us']:.0f} us "
-                  f"(sequential {row['sequential']['overhead_per_product_us']:.0f} us)", file=sys.stderr, flush=True)
+                  f"(sequential {row['sequential']['overhead_per_product_us']:.0f} us)"
+                  + (f"; compensated ({comp}) {row['compensated_ms']:.1f} ms ({row['compensation_cost']:.2f}x overlap's; "
+                     f"second products {row['compensated']['compensate_ms']:.1f} ms, "
+                     f"{row['compensated']['syncs']} syncs)" if "compensated" in modes else ""),
+                  file=sys.stderr, flush=True)
     finally:
         dev.close()
         local.close()

@@ -7,12 +7,13 @@
 # 2. runs the add-mode tests with the base on the GPU (tests/test_rpc.py: the "gpu" cases, and
 #    the RPC ones beside them);
 # 3. splits a model (SmolLM2-135M, fetched, unless GPU_CHECK_MODEL names one) and runs
-#    `bitsplit eval` (verifier all local vs base on the GPU, KL against the source) and
-#    `bitsplit bench` with the base on the GPU (-ngl 99), with and without overlap;
+#    `bitsplit eval` (verifier all local vs base on the GPU with its rounding compensated and not, and
+#    CUDA's rounding emulated on the host, KL against the source) and
+#    `bitsplit bench` with the base on the GPU (-ngl 99), with and without overlap, without compensation;
 #    and once more with OMP_WAIT_POLICY=PASSIVE (llama.cpp's OpenMP threads then sleep at once instead
 #    of spinning beside the residual's threads: the first GPU run spent ~2 ms per add-mode product);
 # 4. prints one JSON line: {"gpu", "tests", "eval": {...}, "bench": {...}, "bench_no_overlap": {...},
-#    "bench_omp_passive": {...}}.
+#    "bench_omp_passive": {...}, "bench_no_compensation": {...}}.
 # Environment:
 #   GPU_CHECK_VENV    virtual environment to create (default .gpu-venv; "-": none, install into the
 #                     running python3, for a disposable machine whose Python is itself a venv)
@@ -102,7 +103,8 @@ say "llama.cpp sees $GPUS GPU(s): $GPU"
 say "add-mode tests (base on the GPU, and on a loopback RPC server)"
 set +e
 # shellcheck disable=SC2086  # GPU_CHECK_PYTEST is meant to be split into arguments
-eval "BITSPLIT_REQUIRE_RPC=1 python -m pytest -q -rs tests/test_rpc.py ${GPU_CHECK_PYTEST:-}" >"$OUT/tests.log" 2>&1
+eval "BITSPLIT_REQUIRE_RPC=1 python -m pytest -q -rs tests/test_rpc.py tests/test_compensation.py ${GPU_CHECK_PYTEST:-}" \
+    >"$OUT/tests.log" 2>&1
 TESTS_RC=$?
 set -e
 TESTS=$(tail -1 "$OUT/tests.log")
@@ -116,11 +118,13 @@ python - "$OUT/text.txt" <<'PY'
 import sys, argparse, textwrap, inspect
 open(sys.argv[1], "w").write(inspect.getsource(argparse) + inspect.getsource(textwrap))
 PY
-say "eval: verifier all local vs base on the GPU"
-bitsplit eval "$SPLIT" --reference "$SRC" --text "$OUT/text.txt" --chunks 8 --n-gpu-layers "$NGL" --json \
-    >"$OUT/eval.json"
-say "bench: base on the GPU, with and without overlap"
+say "eval: verifier all local vs base on the GPU (its rounding compensated and not), vs CUDA's emulated"
+bitsplit eval "$SPLIT" --reference "$SRC" --text "$OUT/text.txt" --chunks 8 --n-gpu-layers "$NGL" \
+    --device-numerics host,cuda --compensation both --json >"$OUT/eval.json"
+say "bench: base on the GPU, with and without overlap, with and without compensation"
 bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --json -q >"$OUT/bench.json"
+bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --compensation off --json -q \
+    >"$OUT/bench_nocomp.json"
 bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --no-overlap --json -q \
     >"$OUT/bench_seq.json"
 OMP_WAIT_POLICY=PASSIVE bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --json -q \
@@ -131,12 +135,13 @@ import json, sys
 out, gpu, tests, rc = sys.argv[1:5]
 last = lambda f: json.loads(open(f"{out}/{f}").read().strip().splitlines()[-1])  # noqa: E731
 ev, b, bs, bp = last("eval.json"), last("bench.json"), last("bench_seq.json"), last("bench_passive.json")
+bn = last("bench_nocomp.json")
 keep = ("tokens_per_second", "vs_tokens_per_second", "speedup_vs", "accepted_per_verify", "add_mode_per_pass")
 print(json.dumps({
     "gpu": gpu, "tests": tests, "tests_ok": rc == "0",
     "eval": {m["name"]: {"kl_mean": m["kl_mean"], "top1": m["top1"]} for m in ev["models"]},
     "bench": {k: b.get(k) for k in keep}, "bench_no_overlap": {k: bs.get(k) for k in keep},
-    "bench_omp_passive": {k: bp.get(k) for k in keep},
+    "bench_omp_passive": {k: bp.get(k) for k in keep}, "bench_no_compensation": {k: bn.get(k) for k in keep},
     "logs": out}))
 PY
 exit "$TESTS_RC"

@@ -143,6 +143,11 @@ _GEN_PARAMS = {
     "overlap": ("overlap", bool, typer.Option(
         _GEN_DEFAULTS["overlap"], "--overlap/--no-overlap",
         help="With the base on a device: compute R . x beside the device's W2 . x (default) or after it.")),
+    "compensation": ("compensation", str, typer.Option(
+        _GEN_DEFAULTS["compensation"], "--compensation", metavar="auto|off|cpu|cuda|cuda-mmvq|metal",
+        help="With the base on a device: correct its rounding of the activations before W2.x by a second product "
+             "on the device, W2.(x - round(x)) (no extra host bytes). auto: by the device's own rule (RPC servers' "
+             "CPU backend, CUDA, Metal; none for others).")),
     "verbose": ("verbose", bool, typer.Option(_GEN_DEFAULTS["verbose"], "--verbose", help="Show llama.cpp's log.")),
 }
 
@@ -788,6 +793,12 @@ def eval_(
         None, "--outlier-pool", metavar="P",
         help="With --outlier-imatrix: each weight's P most important channels are the host's slab, and each row "
              "takes its own N largest among them."),
+    compensation: str = typer.Option(
+        "auto", "--compensation", metavar="auto|off|on|both",
+        help="Correct the device's activation rounding with a second product of the base, W2.(x - round(x)), "
+             "computed by the device (no extra host bytes): on each --device-numerics row (emulated, by that "
+             "backend's rule) and the --rpc / -ngl row (the device's own); both: each row without and with it; "
+             "auto (default): the device rows as run computes them (compensated), the emulated rows not."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as one JSON line."),
 ) -> None:
@@ -803,7 +814,7 @@ def eval_(
                    precision=precision, log=say, progress=make_progress(quiet or as_json), rpc=rpc,
                    rpc_timeout=rpc_timeout, n_gpu_layers=n_gpu_layers, act_bits=act_bits, kernels=kernel,
                    numerics=device_numerics, outliers=outlier_channels, outlier_imatrix=outlier_imatrix,
-                   outlier_pool=outlier_pool)
+                   outlier_pool=outlier_pool, compensation=compensation)
     if as_json:
         _print_json(rep.to_json())
         return

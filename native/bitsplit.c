@@ -69,7 +69,7 @@ int bitsplit_ctx_act_bits(const bitsplit_ctx * ctx, int res_type) {
 
 int bitsplit_ctx_set_numerics(bitsplit_ctx * ctx, int numerics, int outliers) {
     if (ctx == NULL || numerics < BITSPLIT_NUMERICS_HOST || numerics > BITSPLIT_NUMERICS_FLOAT || outliers < 0 ||
-        outliers > BITSPLIT_MAX_OUTLIERS) {
+        outliers > BITSPLIT_MAX_OUTLIERS || (outliers > 0 && ctx->compensate != BITSPLIT_NUMERICS_HOST)) {
         return BITSPLIT_E_INVALID;
     }
     ctx->numerics = numerics;
@@ -77,8 +77,30 @@ int bitsplit_ctx_set_numerics(bitsplit_ctx * ctx, int numerics, int outliers) {
     return BITSPLIT_OK;
 }
 
+int bitsplit_ctx_set_compensation(bitsplit_ctx * ctx, int numerics, void * cpu_device) {
+    if (ctx == NULL || numerics < BITSPLIT_NUMERICS_HOST || numerics > BITSPLIT_NUMERICS_FLOAT ||
+        (numerics != BITSPLIT_NUMERICS_HOST && (ctx->numerics_outliers > 0 || atomic_load(&ctx->n_exact_sets) > 0))) {
+        return BITSPLIT_E_INVALID;
+    }
+    ctx->compensate = numerics;
+    if (cpu_device != NULL && cpu_device != ctx->comp_cpu_dev) {
+        bs_overlap_drain(ctx);
+        bs_comp_free(ctx, false); /* a backend of the old device is not the new one's */
+        ctx->comp_cpu_dev = cpu_device;
+    }
+    return BITSPLIT_OK;
+}
+
+void bitsplit_ctx_release_devices(bitsplit_ctx * ctx, bool lost) {
+    if (ctx != NULL) {
+        bs_overlap_drain(ctx);
+        bs_comp_free(ctx, lost);
+    }
+}
+
 int bitsplit_ctx_set_exact_channels(bitsplit_ctx * ctx, const char * name, int n, const int32_t * channels) {
-    if (ctx == NULL || name == NULL || n < 0 || n > BITSPLIT_MAX_OUTLIERS || (n > 0 && channels == NULL)) {
+    if (ctx == NULL || name == NULL || n < 0 || n > BITSPLIT_MAX_OUTLIERS || (n > 0 && channels == NULL) ||
+        (n > 0 && ctx->compensate != BITSPLIT_NUMERICS_HOST)) {
         return BITSPLIT_E_INVALID;
     }
     bs_entry * e = (bs_entry *)bs_find_entry(ctx, name);
@@ -199,6 +221,8 @@ void bitsplit_ctx_get_counters(const bitsplit_ctx * c, bitsplit_counters * out) 
     out->bytes_residual = atomic_load(&ctx->c_bres);
     out->bytes_base = atomic_load(&ctx->c_bbase);
     out->bytes_outlier_base = atomic_load(&ctx->c_boutlier);
+    out->n_compensated = atomic_load(&ctx->c_comp);
+    out->ns_compensate = atomic_load(&ctx->c_ns_comp);
     out->ns_inside = atomic_load(&ctx->c_ns);
     out->n_errors = atomic_load(&ctx->c_err);
     out->n_draft_products = atomic_load(&ctx->c_draft);
@@ -226,6 +250,8 @@ void bitsplit_ctx_reset_counters(bitsplit_ctx * ctx) {
     atomic_store(&ctx->c_bres, 0);
     atomic_store(&ctx->c_bbase, 0);
     atomic_store(&ctx->c_boutlier, 0);
+    atomic_store(&ctx->c_comp, 0);
+    atomic_store(&ctx->c_ns_comp, 0);
     atomic_store(&ctx->c_ns, 0);
     atomic_store(&ctx->c_err, 0);
     atomic_store(&ctx->c_draft, 0);

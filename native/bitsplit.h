@@ -90,6 +90,8 @@ typedef struct bitsplit_counters {
     uint64_t n_softmax;         /* attention's softmaxes computed here (batch invariance) */
     uint64_t bytes_outlier_base; /* emulated device numerics with outlier channels: base bytes the host
                                     would read for them (each product's blocks holding its rows' channels) */
+    uint64_t n_compensated;     /* products whose device rounding a second product corrected (on the device) */
+    uint64_t ns_compensate;     /* wall time of those second products (error, transfers, the device's graph) */
 } bitsplit_counters;
 
 const char * bitsplit_status_str(int status);
@@ -159,6 +161,22 @@ enum bitsplit_numerics {
  * blocks holding them (counted in bytes_outlier_base). */
 #define BITSPLIT_MAX_OUTLIERS 64
 int bitsplit_ctx_set_numerics(bitsplit_ctx * ctx, int numerics, int outliers);
+/* Compensation of a device's activation rounding: `numerics` names the rule the device rounds the
+ * activations by before W2 . x (BITSPLIT_NUMERICS_HOST: off, the default). The host knows x and the
+ * rule, so it knows the rounding's error e = x - round(x) exactly; a second product of the base,
+ * W2 . e, rounded by the device as it rounds anything (e's own scale is ~1/254 of x's, so what is left
+ * is ~254 times smaller), is added with R . x: in add mode computed by the device that holds W2 (its
+ * backend, on a graph of its own; e up, W2 . e down), under emulated numerics
+ * (bitsplit_ctx_set_numerics) emulated here. No extra host bytes; the device computes each base
+ * product twice. cpu_device (a ggml_backend_dev_t, or NULL): the device that computes W2 . e for weights
+ * in host memory (add mode run locally), whose buffers name none: llama.cpp's CPU device,
+ * ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) of libggml, which this library does not link
+ * (NULL keeps the one given before). BITSPLIT_E_INVALID for another value, or with outlier channels set. */
+int bitsplit_ctx_set_compensation(bitsplit_ctx * ctx, int numerics, void * cpu_device);
+/* The backends and buffers compensation opened on devices, freed (before the model that holds the
+ * weights goes; the next compensated pass opens them again), or with lost (the device is gone, e.g. an
+ * RPC server that stopped answering) let go without a word to the device. bitsplit_ctx_free frees them. */
+void bitsplit_ctx_release_devices(bitsplit_ctx * ctx, bool lost);
 /* A fixed set of exact channels for the weight `name` under emulated numerics (each in [0, row
  * width), at most BITSPLIT_MAX_OUTLIERS; n = 0 clears it): every row takes these instead of its own
  * largest (the set an importance matrix names; the host would hold those columns as a dense slab of

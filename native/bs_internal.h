@@ -292,6 +292,8 @@ struct bitsplit_ctx {
     int mode;
     int numerics;                /* enum bitsplit_numerics (numerics.c): emulated device rounding */
     int numerics_outliers;       /* channels per row kept exact under it (0 to BITSPLIT_MAX_OUTLIERS) */
+    int compensate;              /* enum bitsplit_numerics: the device rounding a second base product corrects */
+    void * comp_cpu_dev;         /* ggml_backend_dev_t: llama.cpp's CPU device, for weights in host memory */
     atomic_int n_exact_sets;     /* weights with a fixed exact set: then the others take none */
     bool replace_ok; /* custom-op layout check passed */
     /* A family pinned for decode passes (<= BS_DECODE_COLS columns) by bitsplit_ctx_set_kernel /
@@ -316,6 +318,8 @@ struct bitsplit_ctx {
     size_t gather_size;
     void * xdev; /* emulated device numerics: the pass's activations as the device rounds them */
     size_t xdev_size;
+    void * xcomp; /* the rounding's error, x - round(x), as the second product takes it */
+    size_t xcomp_size;
     bs_scratch scratch[BS_MAX_THREADS];
     atomic_bool job_failed; /* a thread of the product running on the pool could not compute its rows */
     atomic_int bar_count;
@@ -329,12 +333,15 @@ struct bitsplit_ctx {
     /* add mode: R . x started when its input is computed (overlap.c) */
     bool overlap;
     bs_overlap * ov;
+    struct bs_comp * comp; /* the devices' second products (compensate.c) */
+    bs_scratch host_c;
 
     /* counters (updated by thread 0 of a product) */
     atomic_uint_fast64_t c_products, c_add, c_rows, c_cols, c_bres, c_bbase, c_ns, c_err, c_draft, c_ns_draft;
     atomic_uint_fast64_t c_bdev_in, c_bdev_out, c_ns_xfer, c_overlap, c_ns_wait, c_stops, c_exact;
     atomic_uint_fast64_t c_attn, c_ns_attn, c_softmax; /* attention computed here (attn.c) */
     atomic_uint_fast64_t c_boutlier; /* emulated numerics: base bytes holding the exact outlier channels */
+    atomic_uint_fast64_t c_comp, c_ns_comp; /* products compensated on their device (compensate.c), time */
 
     bs_mutex err_lock;
     int err_status;
@@ -366,6 +373,9 @@ void bs_numerics_round(int rule, const float * x, int64_t K, float * out, int ou
  * exact, the rest rounded */
 void bs_numerics_round_pool(int rule, const float * x, int64_t K, float * out, int m, const int32_t * pool, int npool,
                             int32_t * sel);
+/* out (not x) = x - x rounded by rule: the rounding's error, which a second product corrects
+ * (bitsplit_ctx_set_compensation) */
+void bs_numerics_error(int rule, const float * x, int64_t K, float * out);
 int bs_resolve_precision(const struct bitsplit_ctx * ctx, enum ggml_type base, enum ggml_type res);
 /* ctx's act_bits for a product with a residual of type res: 8-bit activations (true) or 16 */
 bool bs_resolve_act8(const struct bitsplit_ctx * ctx, enum ggml_type res);
@@ -415,13 +425,24 @@ int bs_threads_for(const struct bitsplit_ctx * ctx, const bs_job * job);
 /* the same for a given minimum of weight bytes per thread (0: every thread) */
 int bs_threads_for_min(const struct bitsplit_ctx * ctx, const bs_job * job, int64_t min_bytes);
 
+/* compensate.c: out[j] = W2_j . (x - round(x)) for the n (<= BS_OVERLAP_MAX) products of one input x
+ * (n_cols columns of K floats on the host), computed by the device holding the weights w[j] (one
+ * device; weights in host memory: the CPU device given), round() the rule of ctx->compensate for each
+ * weight's type; false after recording an error */
+typedef struct bs_comp bs_comp;
+bool bs_compensate(struct bitsplit_ctx * ctx, const struct ggml_tensor * const * w, int n, const float * x,
+                   int64_t n_cols, float * const * out);
+/* the devices' backends and buffers freed (lost: let go without a word to the device) */
+void bs_comp_free(struct bitsplit_ctx * ctx, bool lost);
+
 /* overlap.c: R . x on a runner thread while the device computes W2 . x (add mode) */
 bool bs_overlap_enable(struct bitsplit_ctx * ctx, bool on);
 void bs_overlap_free(struct bitsplit_ctx * ctx);
 /* wait until the runner is idle: before anything else uses the pool, acts, scratch or barrier */
 void bs_overlap_drain(struct bitsplit_ctx * ctx);
 /* first passes: remember that x feeds e's product */
-void bs_overlap_learn(struct bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs_entry * e);
+void bs_overlap_learn(struct bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs_entry * e,
+                      const struct ggml_tensor * w);
 bool bs_overlap_is_feed(const struct bitsplit_ctx * ctx, const struct ggml_tensor * t);
 /* x is computed: copy it and start R . x of every product it feeds */
 void bs_overlap_start(struct bitsplit_ctx * ctx, const struct ggml_tensor * x);

@@ -88,6 +88,16 @@ static void mul_mat_numerics(struct ggml_tensor * dst, int ith, int nth, const b
             bs_numerics_round(rule, xs + c * K, K, xd + c * K, m, sel + c * m);
         }
     }
+    /* compensation (bitsplit_ctx_set_compensation): the error of the rule the host assumes, e = x - round(x),
+     * as the device rounds it for its second product */
+    float * xc = ctx->compensate != BITSPLIT_NUMERICS_HOST ? (float *)ctx->xcomp : NULL;
+    if (xc != NULL) {
+        const int crule = bs_numerics_rule(ctx->compensate, e->base_type, n, K); /* checked when asked */
+        for (int64_t c = n * ith / nth; c < n * (ith + 1) / nth; c++) {
+            bs_numerics_error(crule, xs + c * K, K, xc + c * K);
+            bs_numerics_round(rule, xc + c * K, K, xc + c * K, 0, NULL);
+        }
+    }
     bs_barrier(ctx, nth); /* every column rounded */
     if (fixed && ith == 0) {
         atomic_fetch_add(&ctx->c_boutlier, (uint64_t)e->ne[1] * (uint64_t)e->n_exact_ch * 2u);
@@ -109,6 +119,14 @@ static void mul_mat_numerics(struct ggml_tensor * dst, int ith, int nth, const b
     bs_job jb, jr;
     numerics_jobs(ctx, e, base_rows(e, dst->src[0]), xs, xd, n, (float *)dst->data, &jb, &jr);
     bs_run_job(ctx, &jb, ith, nth);
+    if (xc != NULL) { /* the device's second product, W2 . e-rounded, added */
+        bs_job jc = jb;
+        bs_job_columns(&jc, ctx, xc, n, (float *)dst->data);
+        jc.accumulate = true;
+        jc.acts = ctx->acts;
+        bs_barrier(ctx, nth); /* every thread done with the shared activations */
+        bs_run_job(ctx, &jc, ith, nth);
+    }
     if (jr.r != NULL) {
         bs_barrier(ctx, nth); /* every thread done with the shared activations (and its rows of W2 . xdev) */
         bs_run_job(ctx, &jr, ith, nth);
@@ -131,6 +149,14 @@ static void mul_mat_numerics(struct ggml_tensor * dst, int ith, int nth, const b
 /* ask time, with emulated device numerics: the product's rule, and room for its rounded activations
  * and the shared activations of both its jobs */
 static bool numerics_ready(bitsplit_ctx * ctx, const bs_entry * e, int64_t n_cols) {
+    if (ctx->compensate != BITSPLIT_NUMERICS_HOST &&
+        (bs_numerics_rule(ctx->compensate, e->base_type, n_cols, e->ne[0]) < 0 ||
+         !bs_ensure(&ctx->xcomp, &ctx->xcomp_size, (size_t)n_cols * (size_t)e->ne[0] * sizeof(float) + 64))) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
+                        "device numerics: cannot compensate weight '%s' of type %s (%lld wide) in a pass of %lld rows",
+                        e->name, ggml_type_name(e->base_type), (long long)e->ne[0], (long long)n_cols);
+        return false;
+    }
     if (bs_numerics_rule(ctx->numerics, e->base_type, n_cols, e->ne[0]) < 0) {
         bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
                         "device numerics: no rounding rule for weight '%s' of type %s (%lld wide) in a pass of %lld rows",
@@ -446,6 +472,11 @@ static bool ask_node(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     }
     const struct ggml_tensor * x = t->src[1];
     const bool cpu = host(t) && x != NULL && host(x);
+    if (e->exact && op == GGML_OP_MUL_MAT && ctx->compensate != BITSPLIT_NUMERICS_HOST &&
+        (!cpu || ctx->mode == BITSPLIT_MODE_ADD) && x != NULL && ggml_nrows(x) > 0 &&
+        bs_numerics_rule(ctx->compensate, e->base_type, ggml_nrows(x), e->ne[0]) != 0) {
+        return true; /* a weight without residual, its device's rounding compensated after the node */
+    }
     if (e->exact && (op != GGML_OP_MUL_MAT || !cpu || !ctx->invariant || ctx->mode == BITSPLIT_MODE_ADD)) {
         return false; /* nothing to add: ggml's own product is the verifier's */
     }
@@ -570,8 +601,65 @@ static void add_out_of_memory(bitsplit_ctx * ctx, struct ggml_tensor * t, const 
 }
 
 /* ask == false for an observed node: add R . x (the node holds W2 . x, possibly on a device) */
+/* compensation (bitsplit_ctx_set_compensation) of one product t = W2 . x computed in add mode: the
+ * device's W2 . (x - round(x)) added to d (n_cols x N, on the host); false after recording an error */
+static bool compensate_one(bitsplit_ctx * ctx, const struct ggml_tensor * t, const float * xs, int64_t n_cols,
+                           float * d) {
+    const size_t ybytes = (size_t)n_cols * (size_t)t->src[0]->ne[1] * sizeof(float);
+    if (ybytes == 0) {
+        return true; /* no rows wanted (a pass that asks for no logits) */
+    }
+    float * c = bs_scratch_get(&ctx->host_c, ybytes);
+    if (c == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory compensating '%s'", t->src[0]->name);
+        return false;
+    }
+    const struct ggml_tensor * w = t->src[0];
+    if (!bs_compensate(ctx, &w, 1, xs, n_cols, &c)) {
+        return false;
+    }
+    for (size_t i = 0; i < ybytes / sizeof(float); i++) {
+        d[i] += c[i];
+    }
+    return true;
+}
+
+/* a weight without residual, observed for compensation alone: t += the device's W2 . e */
+static void compensate_exact(bitsplit_ctx * ctx, struct ggml_tensor * t, const bs_entry * e) {
+    const struct ggml_tensor * x = t->src[1];
+    if (t->op != GGML_OP_MUL_MAT || !plain_f32_matrix(x) || !plain_f32_matrix(t) || e->ne[2] != 1 ||
+        x->ne[0] != e->ne[0] || t->ne[0] != e->ne[1]) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "product with '%s' has an unsupported layout for compensation",
+                        e->name);
+        return;
+    }
+    bs_overlap_drain(ctx);
+    const int64_t n_cols = ggml_nrows(x), K = e->ne[0], N = e->ne[1];
+    const size_t xbytes = (size_t)(n_cols * K) * sizeof(float), ybytes = (size_t)(n_cols * N) * sizeof(float);
+    float * xs = bs_scratch_get(&ctx->host_x, xbytes);
+    float * ys = bs_scratch_get(&ctx->host_y, ybytes);
+    if (xs == NULL || ys == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory compensating '%s'", e->name);
+        return;
+    }
+    const uint64_t tx = bs_now_ns();
+    ggml_backend_tensor_get(x, xs, 0, xbytes);
+    ggml_backend_tensor_get(t, ys, 0, ybytes);
+    count_transfer(ctx, x, xbytes, true, 0);
+    count_transfer(ctx, t, ybytes, true, tx);
+    if (compensate_one(ctx, t, xs, n_cols, ys)) {
+        const uint64_t ts = bs_now_ns();
+        ggml_backend_tensor_set(t, ys, 0, ybytes);
+        count_transfer(ctx, t, ybytes, false, ts);
+    }
+}
+
 static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     const bs_entry * e = entry_for(ctx, t);
+    if (e != NULL && e->exact && ctx->compensate != BITSPLIT_NUMERICS_HOST && t->op == GGML_OP_MUL_MAT) {
+        compensate_exact(ctx, t, e);
+        return true;
+    }
     if (e == NULL || e->exact) {
         return true;
     }
@@ -618,7 +706,7 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     }
     const int64_t n_cols = ggml_nrows(x), K = e->ne[0], N = e->ne[1];
     const size_t ybytes = (size_t)(n_cols * N) * sizeof(float);
-    bs_overlap_learn(ctx, x, e);
+    bs_overlap_learn(ctx, x, e, t->src[0]);
     /* R . x: started when x was computed (overlap), or computed now */
     const float * delta = bs_overlap_take(ctx, t, e);
     bs_job job;
@@ -648,6 +736,9 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
             return true;
         }
         bs_count_job(ctx, &job, t0, true);
+        if (ctx->compensate != BITSPLIT_NUMERICS_HOST) {
+            compensate_one(ctx, t, xs, n_cols, d); /* on failure: an error for the pass */
+        }
         delta = d;
     }
     float * ys = host(t) ? t->data : bs_scratch_get(&ctx->host_y, ybytes);

@@ -332,6 +332,7 @@ void bitsplit_ctx_free(bitsplit_ctx * ctx) {
         return;
     }
     bs_overlap_free(ctx);
+    bs_comp_free(ctx, false);
     bs_pool_free(ctx->pool);
     for (int i = 0; i < BS_MAX_THREADS; i++) {
         bs_aligned_free(ctx->scratch[i].buf);
@@ -339,9 +340,11 @@ void bitsplit_ctx_free(bitsplit_ctx * ctx) {
     bs_aligned_free(ctx->host_x.buf);
     bs_aligned_free(ctx->host_y.buf);
     bs_aligned_free(ctx->host_d.buf);
+    bs_aligned_free(ctx->host_c.buf);
     bs_aligned_free(ctx->acts);
     bs_aligned_free(ctx->gather);
     bs_aligned_free(ctx->xdev);
+    bs_aligned_free(ctx->xcomp);
     free(ctx->entries);
     free(ctx->table);
     bs_unmap_file(ctx->map_res, ctx->map_res_size);

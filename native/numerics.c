@@ -307,3 +307,10 @@ static void round_rule(enum rule r, const float * x, int64_t K, float * out) {
         }
     }
 }
+
+void bs_numerics_error(int rule, const float * x, int64_t K, float * out) {
+    round_rule((enum rule)rule, x, K, out);
+    for (int64_t k = 0; k < K; k++) {
+        out[k] = x[k] - out[k];
+    }
+}

@@ -32,6 +32,7 @@
 typedef struct {
     char name[GGML_MAX_NAME];
     const bs_entry * e[FEED_MAX];
+    const struct ggml_tensor * w[FEED_MAX]; /* the graph's weight of each (the model's, as last seen) */
     int n;
 } feed;
 
@@ -58,6 +59,10 @@ struct bs_overlap {
     size_t xcap;
     void * ybuf;
     size_t ycap;
+    /* compensation (compensate.c): the device's W2 . e for each job, computed at the start */
+    void * cbuf;
+    size_t ccap;
+    bool comp_ok;
 };
 
 static feed * find_feed(bs_overlap * ov, const char * name, bool insert) {
@@ -146,6 +151,7 @@ void bs_overlap_free(bitsplit_ctx * ctx) {
     free(ov->feeds);
     bs_aligned_free(ov->xbuf);
     bs_aligned_free(ov->ybuf);
+    bs_aligned_free(ov->cbuf);
     free(ov);
     ctx->ov = NULL;
 }
@@ -163,7 +169,8 @@ void bs_overlap_drain(bitsplit_ctx * ctx) {
     bs_mutex_unlock(&ov->lock);
 }
 
-void bs_overlap_learn(bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs_entry * e) {
+void bs_overlap_learn(bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs_entry * e,
+                      const struct ggml_tensor * w) {
     if (!ctx->overlap) {
         return;
     }
@@ -173,10 +180,12 @@ void bs_overlap_learn(bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs
     }
     for (int i = 0; i < f->n; i++) {
         if (f->e[i] == e) {
+            f->w[i] = w;
             return;
         }
     }
     if (f->n < FEED_MAX) {
+        f->w[f->n] = w;
         f->e[f->n++] = e;
     }
 }
@@ -232,8 +241,22 @@ void bs_overlap_start(bitsplit_ctx * ctx, const struct ggml_tensor * x) {
     ov->n_done = 0;
     ov->n_jobs = f->n;
     ov->generation++;
+    ov->comp_ok = false;
     bs_cond_broadcast(&ov->cv_work);
     bs_mutex_unlock(&ov->lock);
+    if (ctx->compensate != BITSPLIT_NUMERICS_HOST) {
+        /* the device's second products, W2 . e for every product of x at once, while R . x runs */
+        float * outs[FEED_MAX];
+        if (!bs_ensure(&ov->cbuf, &ov->ccap, ysize)) {
+            return; /* taken after the fact (bs_overlap_take refuses the batch) */
+        }
+        float * c = ov->cbuf;
+        for (int i = 0; i < f->n; i++) {
+            outs[i] = c;
+            c += n_cols * f->e[i]->ne[1];
+        }
+        ov->comp_ok = bs_compensate(ctx, f->w, f->n, ov->xbuf, n_cols, outs);
+    }
 }
 
 const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, const bs_entry * e) {
@@ -244,7 +267,8 @@ const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, 
     const struct ggml_tensor * x = t->src[1];
     bs_mutex_lock(&ov->lock);
     int i = -1;
-    if (ov->x != NULL && ov->x == x && ov->n_cols == ggml_nrows(x)) {
+    if (ov->x != NULL && ov->x == x && ov->n_cols == ggml_nrows(x) &&
+        (ctx->compensate == BITSPLIT_NUMERICS_HOST || ov->comp_ok)) {
         for (int k = 0; k < ov->n_jobs; k++) {
             if (ov->e[k] == e && !ov->taken[k]) {
                 i = k;
@@ -266,6 +290,12 @@ const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, 
     atomic_fetch_add(&ctx->c_ns_wait, bs_now_ns() - t0);
     if (job->y == NULL) {
         return NULL;
+    }
+    if (ctx->compensate != BITSPLIT_NUMERICS_HOST) { /* the device's W2 . e, laid out as the jobs' y */
+        const float * c = (const float *)ov->cbuf + (job->y - (float *)ov->ybuf);
+        for (int64_t k = 0; k < job->n_cols * job->N; k++) {
+            job->y[k] += c[k];
+        }
     }
     bs_count_job(ctx, job, bs_now_ns() - ov->ns[i], true);
     atomic_fetch_add(&ctx->c_overlap, 1);

@@ -131,8 +131,10 @@ def test_verifier_on_the_device_equals_add_mode_bit_for_bit(device, f32_pair, ti
     ref = logits_of(src, TEXT, **EXACT)
     local, c_local = _logits(split, TEXT)
     add, c_add = _logits(split, TEXT, mode="add")
-    dev_seq, c_seq = _logits(split, TEXT, overlap=False, **device)
-    dev, c_dev = _logits(split, TEXT, **device)
+    # uncompensated: the device's own rounding, as add mode's ggml-cpu rounds (tests/test_compensation.py
+    # checks the device with its rounding compensated, the default)
+    dev_seq, c_seq = _logits(split, TEXT, overlap=False, compensation="off", **device)
+    dev, c_dev = _logits(split, TEXT, compensation="off", **device)
     # every product was completed in add mode, with its base's buffers on the server
     assert c_local.n_add_products == 0 and c_local.n_products > 0
     for c in (c_seq, c_dev):
@@ -379,7 +381,9 @@ def test_cli_run_and_eval_with_the_base_on_the_device(server, tiny_split, tiny_f
                  "--chunks", "2", "--rpc", server, "--json"]) == 0
     rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     names = [m["name"] for m in rep["models"]]
-    assert names == ["bitsplit verifier", f"bitsplit verifier, base on rpc {server}"]
+    # the device row as run computes it: its rounding compensated by the CPU backend's rule
+    assert names == ["bitsplit verifier", f"bitsplit verifier, base on rpc {server}, compensated"]
+    assert [m.get("compensation") for m in rep["models"]] == [None, "cpu"]
     assert all(m["kl_mean"] > 0 for m in rep["models"])
     # options: a bad endpoint or timeout is a usage error (exit 2) naming the value
     assert main(["run", str(tiny_split), "-p", "x", "--rpc", "nohost"]) == 2

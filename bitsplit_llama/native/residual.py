@@ -50,6 +50,26 @@ class Counters:
     seconds_attn: float = 0.0
     n_softmax: int = 0           # attention's softmaxes computed by the library (batch invariance)
     bytes_outlier_base: int = 0  # emulated numerics with outlier channels: base bytes the host would read for them
+    n_compensated: int = 0       # products whose device rounding a second product on the device corrected
+    seconds_compensate: float = 0.0  # wall time of those second products (error, transfers, the device's graph)
+
+
+def _cpu_device() -> int:
+    """llama.cpp's CPU device (a ggml_backend_dev_t), from libggml, which the native library does not
+    link: compensation computes with it where weights are in host memory; 0 where it is not found."""
+    import ctypes
+
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    d = Path(llama_cpp.__file__).parent / "lib"
+    cands = sorted(d.glob("libggml.so*")) + sorted(d.glob("libggml.dylib")) + sorted(d.glob("ggml.dll"))
+    if not cands:
+        return 0
+    g = ctypes.CDLL(str(cands[0]))
+    g.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    g.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    return g.ggml_backend_dev_by_type(0) or 0  # GGML_BACKEND_DEVICE_TYPE_CPU
 
 
 def check_numerics(value: str, option: str = "--device-numerics") -> str:
@@ -136,6 +156,7 @@ class Residual:
             base_p, res_p = Path(base), Path(residual)
         self.base_path, self.residual_path = base_p, res_p
         self.numerics, self.outliers = "host", 0  # set_numerics
+        self.compensation = "host"  # set_compensation
         with GGUFFile(base_p, role="base") as b, GGUFFile(res_p, role="residual") as r:
             check_pair(b, r, check_fingerprint=check_fingerprint)
             self.architecture = b.architecture
@@ -234,8 +255,27 @@ class Residual:
         it would read are counted in ``bytes_outlier_base``). Takes effect from the next pass; base on
         the host only."""
         outliers = check_outliers(outliers)
-        self._lib.bitsplit_ctx_set_numerics(self.ptr, NUMERICS[check_numerics(numerics)], outliers)
+        if self._lib.bitsplit_ctx_set_numerics(self.ptr, NUMERICS[check_numerics(numerics)], outliers) != 0:
+            raise InvalidOptionError("outlier channels do not combine with compensation of the device's rounding")
         self.numerics, self.outliers = numerics, outliers
+
+    def set_compensation(self, numerics: str) -> None:
+        """Correct a device's activation rounding with a second product of the base: ``numerics`` names
+        the rule the device rounds by ("host": off). The host computes the rounding's error
+        ``e = x - round(x)``; the device holding W2 computes ``W2 . e`` (add mode), or it is emulated
+        here under :meth:`set_numerics`, and it is added with ``R . x``. Takes effect from the next
+        pass; not with outlier channels."""
+        cpu = self._ffi.cast("void *", _cpu_device() if numerics != "host" else 0)
+        if self._lib.bitsplit_ctx_set_compensation(self.ptr, NUMERICS[check_numerics(numerics, "compensation")],
+                                                   cpu) != 0:
+            raise InvalidOptionError("compensation of the device's rounding does not combine with outlier channels")
+        self.compensation = numerics
+
+    def release_devices(self, lost: bool = False) -> None:
+        """Free what compensation opened on devices (its backends and buffers) before the model holding
+        the weights goes; ``lost``: the device is gone, let them go without a word to it."""
+        if getattr(self, "_ptr", None) is not None:
+            self._lib.bitsplit_ctx_release_devices(self._ptr, bool(lost))
 
     def set_exact_channels(self, name: str, channels) -> None:
         """Under emulated numerics, a fixed set of exact channels for weight ``name`` (taken by every
@@ -327,7 +367,8 @@ class Residual:
         return Counters(c.n_products, c.n_add_products, c.n_get_rows, c.n_columns, c.bytes_residual, c.bytes_base,
                         c.ns_inside / 1e9, c.n_errors, c.n_draft_products, c.ns_draft / 1e9, c.bytes_from_device,
                         c.bytes_to_device, c.ns_transfer / 1e9, c.n_overlapped, c.ns_wait / 1e9, c.n_stops,
-                        c.n_exact_products, c.n_attn_products, c.ns_attn / 1e9, c.n_softmax, c.bytes_outlier_base)
+                        c.n_exact_products, c.n_attn_products, c.ns_attn / 1e9, c.n_softmax, c.bytes_outlier_base,
+                        c.n_compensated, c.ns_compensate / 1e9)
 
     def reset_counters(self) -> None:
         self._lib.bitsplit_ctx_reset_counters(self.ptr)

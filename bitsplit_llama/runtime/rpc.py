@@ -169,23 +169,61 @@ def _load() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
     return _libs["base"], _libs["ggml"], _libs["rpc"]
 
 
-def gpu_count() -> int:
-    """How many GPU devices llama.cpp sees in this process (CUDA, Vulkan, Metal...; RPC not counted)."""
+def gpu_names() -> list[str]:
+    """The GPU devices llama.cpp sees in this process, by name ("CUDA0", "Vulkan0", "Metal"...; RPC not
+    counted)."""
     import llama_cpp
 
     llama_cpp.llama_backend_init()
     d = _lib_dir()
     cands = sorted(d.glob("libggml.so*")) + sorted(d.glob("libggml.dylib")) + sorted(d.glob("ggml.dll"))
     if not cands:
-        return 0
+        return []
     g = ctypes.CDLL(str(cands[0]))
     g.ggml_backend_dev_count.restype = ctypes.c_size_t
     g.ggml_backend_dev_get.restype = ctypes.c_void_p
     g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
     g.ggml_backend_dev_type.restype = ctypes.c_int
     g.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    return sum(g.ggml_backend_dev_type(g.ggml_backend_dev_get(i)) in (1, 2)  # GPU, IGPU
-               for i in range(g.ggml_backend_dev_count()))
+    g.ggml_backend_dev_name.restype = ctypes.c_char_p
+    g.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    devs = [g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count())]
+    return [(g.ggml_backend_dev_name(d) or b"?").decode(errors="replace") for d in devs
+            if g.ggml_backend_dev_type(d) in (1, 2)]  # GPU, IGPU
+
+
+def gpu_count() -> int:
+    """How many GPU devices llama.cpp sees in this process (CUDA, Vulkan, Metal...; RPC not counted)."""
+    return len(gpu_names())
+
+
+#: --compensation: the rounding rules a device can be compensated by (native/numerics.c), or the choice
+COMPENSATIONS = ("auto", "off", "cpu", "cuda", "cuda-mmvq", "metal")
+
+
+def check_compensation(value: str) -> str:
+    if value not in COMPENSATIONS:
+        raise InvalidOptionError(f"--compensation: '{value}' unknown (expected one of: {', '.join(COMPENSATIONS)})")
+    return value
+
+
+def compensation_rule(setting: str, rpc: bool, n_gpu_layers: int) -> str:
+    """The rounding rule the device holding the base is compensated by ("host": none): ``setting``
+    itself, or for "auto" the rule of the device it is: an RPC server's llama.cpp CPU backend ("cpu";
+    ``bitsplit rpc-server`` serves the CPU), CUDA ("cuda"), Metal ("metal"); other GPUs (Vulkan, SYCL...)
+    have no rule written here, so none (docs/device-path.md)."""
+    if setting == "off" or not (rpc or n_gpu_layers > 0):
+        return "host"
+    if setting != "auto":
+        return setting
+    if rpc:
+        return "cpu"
+    names = gpu_names()
+    if names and all(n.upper().startswith("CUDA") for n in names):
+        return "cuda"
+    if names and all(n.upper().startswith(("METAL", "MTL")) for n in names):
+        return "metal"
+    return "host"
 
 
 # -------------------------------------------------------------------------------------------------

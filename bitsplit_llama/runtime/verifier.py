@@ -95,7 +95,7 @@ class SplitModel:
                  check_fingerprint: bool = True, flash_attn: bool | None = None, kv_type: str = "f16",
                  fast_drafter: bool | None = None, reserve: int | None = None, rpc=None,
                  rpc_timeout: float = rpc_mod.DEFAULT_TIMEOUT_S, overlap: bool = True, batch_invariant: bool = True,
-                 draft_vocab: str | int = "auto"):
+                 draft_vocab: str | int = "auto", compensation: str = "auto"):
         """``rpc``: ``HOST:PORT[,...]`` of llama.cpp RPC servers: the base's ``n_gpu_layers`` layers
         (None: all) live there, the residual here, products are completed in add mode (``overlap``:
         R . x beside the device's W2 . x).
@@ -114,7 +114,13 @@ class SplitModel:
         ``draft_vocab``: the drafter's vocabulary (:class:`DraftVocab`): "all" (the whole output
         head), a number of token ids N (drafting passes compute the head for ids below N and the
         control tokens at the vocabulary's end alone; the native drafter only) or "auto" (DRAFT_VOCAB
-        ids where the head is an exact CPU tensor over twice as many ids)."""
+        ids where the head is an exact CPU tensor over twice as many ids).
+
+        ``compensation`` (with the base on a device): the device's rounding of the activations before
+        ``W2 . x`` corrected by a second product on the device, ``W2 . (x - round(x))``
+        (native/compensate.c): "auto" (by the device's own rule where one is written: RPC servers' CPU
+        backend, CUDA, Metal), "off", or a rule (:data:`rpc_mod.COMPENSATIONS`). ``self.compensation``:
+        the rule in use, "off" for none."""
         self.dir = Path(model_dir)
         check_act_bits(act_bits)  # before anything loads
         draft_vocab = check_draft_vocab(draft_vocab)
@@ -141,6 +147,7 @@ class SplitModel:
                 f"--n-gpu-layers {n_gpu_layers}: llama.cpp sees no GPU here (this llama-cpp-python was built for the "
                 "CPU: see the README on building it for CUDA, Vulkan or Metal); use --rpc HOST:PORT for a remote device")
         self.n_gpu_layers = n_gpu_layers
+        rpc_mod.check_compensation(compensation)
         if flash_attn is None and batch_invariant and n_gpu_layers == 0 and kv_type in ("f16", "f32"):
             # llama.cpp's plain attention, whose two products of the KV cache the library computes
             # (batch-invariant at any number of rows); its CPU flash attention changes path at 64
@@ -168,6 +175,9 @@ class SplitModel:
                 self.model.close()
                 raise
             self.residual.set_threads(self.ctx.n_threads)
+            rule = rpc_mod.compensation_rule(compensation, self.rpc is not None, n_gpu_layers)
+            self.residual.set_compensation(rule)
+            self.compensation = "off" if rule == "host" else rule
             # where the native policy has a drafting family (AVX512-VNNI today), the base's own
             # products go faster through it than through ggml's K-quant kernels on the CPU; with GPU
             # layers, or without such a family, the drafter stays stock
@@ -219,6 +229,9 @@ class SplitModel:
             view.ctx.close()
 
     def close(self) -> None:
+        residual = getattr(self, "residual", None)
+        if residual is not None:  # compensation's device buffers go before the model's
+            residual.release_devices(lost=self.rpc is not None and self.rpc.dead() is not None)
         if self.rpc is not None and self.rpc.dead() is not None:
             # freeing the context and the model would talk to the lost server, and llama.cpp's RPC
             # client aborts the process when it cannot: let their memory go with the process instead

@@ -73,6 +73,10 @@ class GenerationOptions:
     rpc_timeout: float = 60.0
     #: with the base on a device: compute R . x beside the device's W2 . x (True) or after it
     overlap: bool = True
+    #: with the base on a device: its rounding of the activations corrected by a second product on the
+    #: device ("auto": by the device's own rule where one is written, "off", or a rule: cpu, cuda,
+    #: cuda-mmvq, metal)
+    compensation: str = "auto"
     #: show llama.cpp's log
     verbose: bool = False
 
@@ -118,6 +122,7 @@ class GenerationOptions:
             rpc_mod.parse_endpoints(self.rpc)
         set_("rpc_timeout", rpc_mod.check_timeout(self.rpc_timeout))
         set_("overlap", bool(self.overlap))
+        set_("compensation", rpc_mod.check_compensation(self.compensation))
         set_("verbose", bool(self.verbose))
 
     @classmethod

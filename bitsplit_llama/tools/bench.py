@@ -162,6 +162,7 @@ def _load_side(cfg: dict) -> Callable[[dict], tuple]:
             extra["drafter"] = gen.sm.drafter if n_draft > 0 else "llama.cpp"
             extra["draft_products"] = n_draft
             extra["shape"] = [gen.shape.nodes, gen.shape.width, gen.shape.rounds]
+            extra["compensation"] = gen.sm.compensation  # the rule in use with the base on a device, or "off"
             if gen.sm.n_gpu_layers > 0:  # the add mode's cost, per verifier pass of this request
                 c1 = gen.sm.residual.counters()
                 passes = max(1, gen.sm.n_verify_passes - p0)  # the prompt's passes included
@@ -175,6 +176,9 @@ def _load_side(cfg: dict) -> Callable[[dict], tuple]:
                     "transfer_ms_per_pass": 1e3 * (c1.seconds_transfer - c0.seconds_transfer) / passes,
                     "residual_ms_per_pass": 1e3 * (c1.seconds_inside - c0.seconds_inside) / passes,
                     "wait_ms_per_pass": 1e3 * (c1.seconds_wait - c0.seconds_wait) / passes,
+                    # the device's rounding corrected by second products on it (native/compensate.c)
+                    "compensated_per_pass": (c1.n_compensated - c0.n_compensated) / passes,
+                    "compensate_ms_per_pass": 1e3 * (c1.seconds_compensate - c0.seconds_compensate) / passes,
                 }
             return n, t_first, t_last, extra
     return generate
@@ -296,6 +300,7 @@ class BenchReport:
         if not runs:
             return {"base_device": "cpu (this process)"}
         return {"base_device": f"rpc {self.rpc}" if self.rpc else "gpu", "overlap": self.overlap,
+                "compensation": self.stats[-1].get("compensation"),
                 "vs_device": "cpu (this process)",
                 "add_mode_per_pass": {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}}
 

@@ -50,11 +50,13 @@ class ModelScore:
     outliers_fixed: bool | None = None  # from --outlier-imatrix: one set per weight, not each row's own
     outlier_pool: int | None = None  # --outlier-pool: each row's own largest among the weight's set of this size
     outlier_bytes_share: float | None = None
+    # the device's rounding corrected by a second product of the base (--compensation): the rule assumed
+    compensation: str | None = None
 
     def to_json(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()
                 if v is not None or k not in ("act_bits", "kernel", "outliers", "outliers_fixed", "outlier_pool",
-                                                     "outlier_bytes_share")}
+                                                     "outlier_bytes_share", "compensation")}
 
 
 @dataclass
@@ -146,6 +148,10 @@ def check_kernels(value: str | list[str] | None) -> list[str] | None:
     return _option_list(value, family, here)
 
 
+# --compensation: the runs of each device row, without and with the correction
+COMPENSATION = {"auto": None, "off": [False], "on": [True], "both": [False, True]}
+
+
 def check_numerics_list(value: str | list[str] | None) -> list[str] | None:
     """``--device-numerics``: a comma-separated list of backends (or "all") as a list, each checked;
     None: the verifier as this machine computes it ("host") alone."""
@@ -197,7 +203,7 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
              n_gpu_layers: int | None = None, act_bits: str = "auto",
              kernels: str | list[str] | None = None, numerics: str | list[str] | None = None,
              outliers: str | list[int] | None = None, outlier_imatrix: str | os.PathLike[str] | None = None,
-             outlier_pool: int | None = None) -> EvalReport:
+             outlier_pool: int | None = None, compensation: str = "auto") -> EvalReport:
     """Score the split verifier in ``model_dir`` and each ``vs`` GGUF against ``reference``. With
     ``rpc`` or ``n_gpu_layers``, the verifier whose base is on those RPC servers or on the GPU (add
     mode) is scored too, after the all-local one. ``kernels`` (:func:`check_kernels`): score each
@@ -209,7 +215,12 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
     built): each emulated backend once per number; with ``outlier_imatrix``, each weight's channels of
     largest importance in that imatrix, the same for every row (the host would keep those columns as a
     dense slab), instead of each row's largest; with ``outlier_pool`` P too, each weight's P most
-    important channels are the slab and each row takes its own N largest among them."""
+    important channels are the slab and each row takes its own N largest among them. ``compensation``
+    ("off", "on", "both": each row without and with it; "auto": the device rows as ``run`` computes
+    them, compensated where the device's rule is known, the emulated ones not): the device's rounding
+    corrected by a second product of the base on the device, ``W2 . (x - round(x))``
+    (bitsplit_ctx_set_compensation), for each emulated backend by its own rule and for a real device
+    by its own (:func:`rpc_mod.compensation_rule`)."""
     from ..formats.modeldir import validate_split
     from ..runtime.llamacpp import Context, Model, default_threads
     from ..runtime.verifier import SplitModel
@@ -237,11 +248,18 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
         if importance is None or outlier_pool < max(outliers):
             raise InvalidOptionError(f"--outlier-pool {outlier_pool}: needs --outlier-imatrix and at least the largest "
                                      f"--outlier-channels ({max(outliers)})")
+    if compensation not in COMPENSATION:
+        raise InvalidOptionError(f"--compensation: '{compensation}' unknown (expected one of: {', '.join(COMPENSATION)})")
+    if compensation in ("on", "both") and outliers != [0]:
+        raise InvalidOptionError("--compensation and --outlier-channels are two corrections of the same rounding: "
+                                 "give one")
+    if compensation in ("on", "both") and not (numerics or rpc or n_gpu_layers):
+        raise InvalidOptionError("--compensation corrects a device's rounding: give --device-numerics, --rpc or -ngl")
     threads = threads or default_threads()
     base_p, _ = validate_split(model_dir)
-    if rpc:
-        from ..runtime import rpc as rpc_mod
+    from ..runtime import rpc as rpc_mod
 
+    if rpc:
         rpc_mod.parse_endpoints(rpc)
         rpc_mod.check_timeout(rpc_timeout)
         rpc_mod.require()
@@ -343,9 +361,20 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
                     raise MismatchError(f"{model_dir}: vocabulary differs from the reference")
                 ts = sm.residual.tensors()
                 first = ts[0][0] if ts else None  # none: every layer kept whole
-                runs = [(n, o, f) for n in numerics_here for o in (outliers if n not in ("host", "rpc", "gpu") else [0])
-                        for f in (kernels or [None])]
-                for num, out_ch, fam in runs:
+                # the rule each row's device is taken to round by: an emulated backend's own, a real device's own
+                dev_rule = {"rpc": "cpu" if rpc else "host",
+                            "gpu": rpc_mod.compensation_rule("auto", False, n_gpu_layers or 999) if not rpc else "host"}
+
+                def comps_of(n: str) -> list[bool]:
+                    if n == "host" or dev_rule.get(n, n) == "host":
+                        return [False]
+                    if compensation == "auto":
+                        return [n in ("rpc", "gpu")]
+                    return COMPENSATION[compensation]
+
+                runs = [(n, o, f, cp) for n in numerics_here for o in (outliers if n not in ("host", "rpc", "gpu") else [0])
+                        for cp in comps_of(n) for f in (kernels or [None])]
+                for num, out_ch, fam, comp in runs:
                     label = name if num in ("host", "rpc", "gpu") or numerics is None else f"{name}, {num} numerics"
                     pool = outlier_pool if out_ch and outlier_pool else None
                     if out_ch:
@@ -353,10 +382,17 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
                         label = f"{label}, {out_ch} {kind}exact channels"
                     if importance is not None and num not in ("rpc", "gpu"):
                         set_fixed_channels(sm.residual, ts, importance, pool or out_ch, outlier_imatrix)
+                    # the rule the device is taken to round by: an emulated backend's own; llama.cpp's CPU
+                    # backend behind an RPC server (bitsplit rpc-server); CUDA for a GPU
+                    comp_rule = dev_rule.get(num, num) if comp else "host"
+                    if comp:
+                        label = f"{label}, compensated"
                     if fam is not None:
                         label = f"{label} ({fam})"
                     if num not in ("rpc", "gpu"):  # fixed sets alone where an imatrix names them
+                        sm.residual.set_compensation("host")
                         sm.residual.set_numerics(num, 0 if importance is not None and not pool else out_ch)
+                    sm.residual.set_compensation(comp_rule)
                     sm.residual.reset_counters()
                     if fam is not None:
                         sm.residual.set_kernel(fam)  # pinned for every pass: the verifier is batch-invariant
@@ -371,6 +407,7 @@ def evaluate(model_dir: str | os.PathLike[str], reference: str | os.PathLike[str
                             consume(i, ctx.logits(n_ctx))
                     score = finish(time.monotonic() - t0)
                     score.numerics = num
+                    score.compensation = comp_rule if comp else None
                     if out_ch:
                         c = sm.residual.counters()
                         score.outliers = out_ch

@@ -688,6 +688,9 @@ static void test_api_edges(const model * m, const char * work) {
     CHECK(bitsplit_eval_callback(NULL, true, NULL) == false, "callback(NULL, ask)");
     /* emulated numerics: bad values refused, the rounding's own edges */
     CHECK(bitsplit_ctx_set_numerics(NULL, BITSPLIT_NUMERICS_CPU, 0) == BITSPLIT_E_INVALID, "set_numerics(NULL)");
+    CHECK(bitsplit_ctx_set_compensation(NULL, BITSPLIT_NUMERICS_CPU, NULL) == BITSPLIT_E_INVALID,
+          "set_compensation(NULL)");
+    bitsplit_ctx_release_devices(NULL, false);
     {
         float xr[512], xo[512];
         for (int i = 0; i < 512; i++) xr[i] = (float)((i * 37) % 101 - 50) * (i == 3 ? 90.0f : 1.0f);
@@ -1256,6 +1259,32 @@ static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mte
                   (unsigned long long)c.bytes_outlier_base);
             free(yn);
         }
+        /* compensation emulated (a second product of the rounding's error): refused beside outlier
+         * channels either way round; on 1 and 3 threads alike, and not the uncompensated product */
+        CHECK(bitsplit_ctx_set_numerics(ctx, BITSPLIT_NUMERICS_CPU, 4) == BITSPLIT_OK &&
+                  bitsplit_ctx_set_compensation(ctx, BITSPLIT_NUMERICS_CPU, NULL) == BITSPLIT_E_INVALID,
+              "compensation beside outliers");
+        CHECK(bitsplit_ctx_set_numerics(ctx, BITSPLIT_NUMERICS_CPU, 0) == BITSPLIT_OK &&
+                  bitsplit_ctx_set_compensation(ctx, BITSPLIT_NUMERICS_FLOAT + 1, NULL) == BITSPLIT_E_INVALID &&
+                  bitsplit_ctx_set_compensation(ctx, BITSPLIT_NUMERICS_CPU, NULL) == BITSPLIT_OK &&
+                  bitsplit_ctx_set_numerics(ctx, BITSPLIT_NUMERICS_CPU, 4) == BITSPLIT_E_INVALID,
+              "set_compensation");
+        bitsplit_ctx_reset_counters(ctx);
+        if (bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_CUSTOM && run_custom(Y, 1)) {
+            float * yc = malloc((size_t)(N * n_cols) * sizeof(float));
+            memcpy(yc, Y->data, (size_t)(N * n_cols) * sizeof(float));
+            memset(Y->data, 0, ggml_nbytes(Y));
+            run_custom(Y, 3);
+            bitsplit_counters c;
+            bitsplit_ctx_get_counters(ctx, &c);
+            CHECK(c.n_errors == 0 && memcmp(Y->data, yc, (size_t)(N * n_cols) * sizeof(float)) == 0,
+                  "%s: compensated: errors %llu, or 3 threads differ", what, (unsigned long long)c.n_errors);
+            free(yc);
+        } else {
+            CHECK(bitsplit_ctx_take_error(ctx, err, sizeof(err)) == BITSPLIT_E_UNSUPPORTED,
+                  "%s: compensated product neither run nor refused: %s", what, err);
+        }
+        CHECK(bitsplit_ctx_set_compensation(ctx, BITSPLIT_NUMERICS_HOST, NULL) == BITSPLIT_OK, "compensation off");
         CHECK(bitsplit_ctx_set_numerics(ctx, BITSPLIT_NUMERICS_HOST, 0) == BITSPLIT_OK, "numerics back to host");
         CHECK(bitsplit_eval_callback(Y, true, ctx) == false && Y->op == GGML_OP_CUSTOM, "%s: re-ask (host)", what);
     }

@@ -1,0 +1,277 @@
+/*
+ * Compensation of a device's activation rounding (bitsplit_ctx_set_compensation), in add mode.
+ *
+ * With the base on a device, W2 . x is computed by the device's quantized kernels, which round x
+ * first (8 bits per block of 32 or 256 values: numerics.c gives each rule), and that rounding, not the
+ * 2-bit base or the residual, sets the verifier's error. The host knows x and the rule, so it knows
+ * the rounding's error e = x - round(x) exactly. Here the device that holds W2 computes a second
+ * product, W2 . e, on a graph of its own (a backend of the weight's device, over its own buffer for
+ * e and the result; for llama.cpp's RPC client the same connection as the model's), rounding e as it
+ * rounds anything; e's scale is ~1/254 of x's, so what is left of the error is ~254 times smaller.
+ * The host adds it with R . x. The host reads no extra weight bytes; the device computes each base
+ * product twice, and e goes up and W2 . e comes down, once per shared input for all its products.
+ *
+ * The scheduler has synchronised the model's backend before the callback runs, and every call here
+ * finishes its own work (synchronize) before it returns, so the two streams of work never overlap.
+ */
+#include "bitsplit.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "bs_internal.h"
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#define COMP_DEVICES 8 /* devices a context compensates on (RPC servers, GPUs) */
+
+typedef struct {
+    ggml_backend_dev_t dev;
+    ggml_backend_t backend;
+    ggml_backend_buffer_type_t buft;
+    ggml_backend_buffer_t buf; /* e and the results, grown as passes need */
+    size_t size;
+} comp_dev;
+
+struct bs_comp {
+    comp_dev devs[COMP_DEVICES];
+    int n_devs;
+    void * meta; /* the graph's tensors and nodes (ggml_init over this memory, no data) */
+    size_t meta_size;
+    void * err; /* host: e for each distinct rule */
+    size_t err_size;
+};
+
+void bs_comp_free(bitsplit_ctx * ctx, bool lost) {
+    bs_comp * c = ctx->comp;
+    if (c == NULL) {
+        return;
+    }
+    for (int i = 0; i < c->n_devs && !lost; i++) { /* a lost device's buffers and backends are let go unfreed */
+        if (c->devs[i].buf != NULL) {
+            ggml_backend_buffer_free(c->devs[i].buf);
+        }
+        if (c->devs[i].backend != NULL) {
+            ggml_backend_free(c->devs[i].backend);
+        }
+    }
+    bs_aligned_free(c->meta);
+    bs_aligned_free(c->err);
+    free(c);
+    ctx->comp = NULL;
+}
+
+/* the device that computes with weight w: its buffer's, or for host memory, whose buffer types name no
+ * device (llama.cpp's CPU buffers), the CPU device bitsplit_ctx_set_compensation was given */
+static ggml_backend_dev_t device_of(const bitsplit_ctx * ctx, const struct ggml_tensor * w) {
+    if (w->buffer == NULL) {
+        return NULL;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
+    if (dev == NULL && ggml_backend_buffer_is_host(w->buffer)) {
+        dev = (ggml_backend_dev_t)ctx->comp_cpu_dev;
+    }
+    return dev;
+}
+
+/* the backend for device dev (made once per context), or NULL */
+static comp_dev * device_for(bitsplit_ctx * ctx, ggml_backend_dev_t dev, const char * name) {
+    bs_comp * c = ctx->comp;
+    if (dev == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "compensation: the buffer of '%s' names no device", name);
+        return NULL;
+    }
+    for (int i = 0; i < c->n_devs; i++) {
+        if (c->devs[i].dev == dev) {
+            return &c->devs[i];
+        }
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
+    if (buft == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "compensation: device %s has no buffer type (for '%s')",
+                        ggml_backend_dev_name(dev), name);
+        return NULL;
+    }
+    if (c->n_devs == COMP_DEVICES) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "compensation: more than %d devices", COMP_DEVICES);
+        return NULL;
+    }
+    ggml_backend_t backend = ggml_backend_dev_init(dev, NULL);
+    if (backend == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "compensation: could not start a backend on device %s (for '%s')",
+                        ggml_backend_dev_name(dev), name);
+        return NULL;
+    }
+    /* a CPU backend (the model's weights in host memory: add mode run locally) takes this library's
+     * thread count instead of ggml's default */
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+    ggml_backend_set_n_threads_t set_threads =
+        reg != NULL ? (ggml_backend_set_n_threads_t)ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads")
+                    : NULL;
+    if (set_threads != NULL && ctx->n_threads > 0) {
+        set_threads(backend, ctx->n_threads);
+    }
+    comp_dev * d = &c->devs[c->n_devs++];
+    memset(d, 0, sizeof(*d));
+    d->dev = dev;
+    d->backend = backend;
+    d->buft = buft;
+    return d;
+}
+
+static size_t round_up(size_t n, size_t a) {
+    return (n + a - 1) / a * a;
+}
+
+bool bs_compensate(bitsplit_ctx * ctx, const struct ggml_tensor * const * w, int n, const float * x, int64_t n_cols,
+                   float * const * out) {
+    if (n_cols == 0) {
+        return true; /* a pass that wants no rows of this product (no logits asked for) */
+    }
+    if (n < 1 || n > BS_OVERLAP_MAX || n_cols < 0 || x == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_INVALID, "compensation: %d products of %lld columns", n, (long long)n_cols);
+        return false;
+    }
+    const uint64_t t0 = bs_now_ns();
+    const int64_t K = w[0]->ne[0];
+    int rule[BS_OVERLAP_MAX], first[BS_OVERLAP_MAX]; /* each product's rule, and the first product with it */
+    ggml_backend_dev_t dev = w[0] != NULL ? device_of(ctx, w[0]) : NULL;
+    int n_rules = 0;
+    for (int j = 0; j < n; j++) {
+        const struct ggml_tensor * wj = w[j];
+        if (wj == NULL || wj->buffer == NULL || device_of(ctx, wj) != dev || wj->ne[0] != K ||
+            wj->ne[2] != 1 || wj->ne[3] != 1 || out[j] == NULL) {
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
+                            "compensation: the products of one input must be 2-D weights %lld wide in one device's buffers "
+                            "('%s')", (long long)K, wj != NULL ? wj->name : "?");
+            return false;
+        }
+        rule[j] = bs_numerics_rule(ctx->compensate, wj->type, n_cols, K);
+        if (rule[j] < 0) {
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
+                            "compensation: no rounding rule for weight '%s' of type %s (%lld wide) in a pass of %lld rows",
+                            wj->name, ggml_type_name(wj->type), (long long)K, (long long)n_cols);
+            return false;
+        }
+        first[j] = j;
+        if (rule[j] == 0) { /* a rule that rounds nothing (float weights): nothing to correct */
+            memset(out[j], 0, (size_t)n_cols * (size_t)wj->ne[1] * sizeof(float));
+            first[j] = -1;
+            continue;
+        }
+        for (int k = 0; k < j; k++) {
+            if (rule[k] == rule[j]) {
+                first[j] = first[k];
+                break;
+            }
+        }
+        n_rules += first[j] == j;
+    }
+    if (n_rules == 0) {
+        return true;
+    }
+    if (ctx->comp == NULL && (ctx->comp = calloc(1, sizeof(bs_comp))) == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory starting compensation");
+        return false;
+    }
+    bs_comp * c = ctx->comp;
+    comp_dev * d = device_for(ctx, dev, w[0]->name);
+    if (d == NULL) {
+        return false;
+    }
+    /* the graph: one tensor e per rule, one product per weight */
+    const size_t xbytes = (size_t)n_cols * (size_t)K * sizeof(float);
+    const size_t meta = ggml_tensor_overhead() * (size_t)(2 * n + 2) + ggml_graph_overhead_custom(2 * n + 2, false);
+    if (!bs_ensure(&c->meta, &c->meta_size, meta) || !bs_ensure(&c->err, &c->err_size, xbytes * (size_t)n_rules)) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the compensation of '%s'", w[0]->name);
+        return false;
+    }
+    struct ggml_init_params ip = {.mem_size = meta, .mem_buffer = c->meta, .no_alloc = true};
+    struct ggml_context * g = ggml_init(ip);
+    if (g == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the compensation of '%s'", w[0]->name);
+        return false;
+    }
+    struct ggml_tensor * e[BS_OVERLAP_MAX] = {0}, * y[BS_OVERLAP_MAX];
+    float * eh[BS_OVERLAP_MAX] = {0};
+    int r = 0;
+    for (int j = 0; j < n; j++) {
+        y[j] = NULL;
+        if (first[j] < 0) {
+            continue;
+        }
+        if (first[j] == j) {
+            e[j] = ggml_new_tensor_2d(g, GGML_TYPE_F32, K, n_cols);
+            eh[j] = (float *)c->err + (size_t)r++ * (size_t)n_cols * (size_t)K;
+            for (int64_t col = 0; col < n_cols; col++) {
+                bs_numerics_error(rule[j], x + col * K, K, eh[j] + col * K);
+            }
+        }
+        y[j] = ggml_mul_mat(g, (struct ggml_tensor *)w[j], e[first[j]]);
+    }
+    /* placed in this device's own buffer, grown when a pass needs more */
+    const size_t align = ggml_backend_buft_get_alignment(d->buft);
+    size_t need = 0;
+    for (int j = 0; j < n; j++) {
+        need += (e[j] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, e[j]), align) : 0) +
+                (y[j] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, y[j]), align) : 0);
+    }
+    if (need > d->size) {
+        if (d->buf != NULL) {
+            ggml_backend_buffer_free(d->buf);
+        }
+        d->size = 0;
+        d->buf = ggml_backend_buft_alloc_buffer(d->buft, need + need / 4);
+        if (d->buf == NULL) {
+            ggml_free(g);
+            bs_record_error(ctx, BITSPLIT_E_NOMEM, "compensation: the device could not allocate %llu bytes",
+                            (unsigned long long)(need + need / 4));
+            return false;
+        }
+        d->size = ggml_backend_buffer_get_size(d->buf);
+    }
+    char * at = (char *)ggml_backend_buffer_get_base(d->buf);
+    for (int j = 0; j < n; j++) {
+        struct ggml_tensor * ts[2] = {e[j], y[j]};
+        for (int i = 0; i < 2; i++) {
+            if (ts[i] != NULL) {
+                ggml_backend_tensor_alloc(d->buf, ts[i], at);
+                at += round_up(ggml_backend_buft_get_alloc_size(d->buft, ts[i]), align);
+            }
+        }
+    }
+    struct ggml_cgraph * gf = ggml_new_graph_custom(g, 2 * n + 2, false);
+    for (int j = 0; j < n; j++) {
+        if (e[j] != NULL) {
+            ggml_backend_tensor_set(e[j], eh[j], 0, xbytes);
+            atomic_fetch_add(&ctx->c_bdev_out, xbytes);
+        }
+        if (y[j] != NULL) {
+            ggml_build_forward_expand(gf, y[j]);
+        }
+    }
+    const enum ggml_status st = ggml_backend_graph_compute(d->backend, gf);
+    ggml_backend_synchronize(d->backend);
+    if (st != GGML_STATUS_SUCCESS) {
+        ggml_free(g);
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "compensation: device %s failed the product of '%s' (%s)",
+                        ggml_backend_dev_name(d->dev), w[0]->name, ggml_status_to_string(st));
+        return false;
+    }
+    for (int j = 0; j < n; j++) {
+        if (y[j] == NULL) {
+            continue;
+        }
+        const size_t ybytes = (size_t)n_cols * (size_t)w[j]->ne[1] * sizeof(float);
+        ggml_backend_tensor_get(y[j], out[j], 0, ybytes);
+        atomic_fetch_add(&ctx->c_bdev_in, ybytes);
+    }
+    ggml_free(g);
+    int n_done = 0;
+    for (int j = 0; j < n; j++) {
+        n_done += y[j] != NULL;
+    }
+    atomic_fetch_add(&ctx->c_comp, (uint64_t)n_done);
+    atomic_fetch_add(&ctx->c_ns_comp, bs_now_ns() - t0);
+    return true;
+}
