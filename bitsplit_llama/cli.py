@@ -565,6 +565,9 @@ def plan(
         "newest measurement found (overhead_per_product_us in bench/results/gpu_check*.json of this checkout or "
         "<cache>/results/gpu_check*.json), else 20 (2 PCIe transfers x 10 us). The plan also prints its choice "
         "at 10 us, 100 us and 1 ms."),
+    compensation: bool = typer.Option(True, "--compensation/--no-compensation", help="Project run's default with the "
+                                      "base on a GPU, its rounding compensated by a second product on the GPU "
+                                      "(each verify pass reads the GPU's weights twice; not with --gpu none)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Project what fits where and the tokens/s of bitsplit vs stock Q8_0 with partial offload (a projection).
@@ -636,7 +639,8 @@ def plan(
         p = choose_plan(str(model), base_type=base_type, residual=residual, profiles=profiles, max_kl=max_kl,
                         tokens_per_verify=tokens_per_verify, rounds=rounds, verify_rows=verify_rows, vram_gb=vram,
                         gpu_bw=gpu_bandwidth, pcie=pcie, ram_bw=ram_bandwidth, n_ctx=n_ctx, cores=cpu_cores,
-                        keep_layers=keep_layers, ram_gb=ram, product_overhead_us=product_overhead_us, log=_say)
+                        keep_layers=keep_layers, ram_gb=ram, product_overhead_us=product_overhead_us,
+                        compensation=compensation, log=_say)
     if as_json:
         _print_json(p)
         return

@@ -310,7 +310,9 @@ def test_plan_keeps_whole_the_layers_that_fit(capsys, cache, monkeypatch):
     assert 0 < kept[20] < kept[24] < kept[40] == 64  # here every whole layer pays
     res = [plans[v]["bitsplit"]["residual_ram_gb"] for v in (20, 24, 40)]
     assert res[0] > res[1] > res[2] == 0
-    assert plans[24]["projected_speedup"] > plans[20]["projected_speedup"]
+    # more of the model whole on the GPU: faster (whole layers' products are still observed and computed
+    # twice for compensation, run's default, so by less than the residual they drop)
+    assert plans[24]["bitsplit"]["tokens_per_second"] > plans[20]["bitsplit"]["tokens_per_second"]
     # the kept count is the best of every count that fits
     for cap in range(0, kept[24] + 1, 4):
         other = make_plan("qwen2.5-32b", vram_gb=24, keep_layers=cap, **kw)

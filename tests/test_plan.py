@@ -45,6 +45,20 @@ def test_hooked_products_per_pass():
     assert P.hooked_products(64, 0) == 64 * 7 + 1
     assert P.hooked_products(64, 21) == 43 * 7 + 1
     assert P.hooked_products(80, 80) == 1
+    assert P.hooked_products(64, 21, compensation=True) == 64 * 7 + 1  # whole layers' products observed too
+
+
+def test_compensation_costs_the_gpu_a_second_pass():
+    """run's default with the base on a device: the plan charges the GPU's weights read again and the
+    activations' extra trips; without it the projection is the older one."""
+    kw = dict(vram_gb=24, ram_bw=60, cores=16, tokens_per_verify=4.0, rounds=5, product_overhead_us=20)
+    on = P.make_plan("qwen2.5-32b", **kw)
+    off = P.make_plan("qwen2.5-32b", compensation=False, **kw)
+    assert on["bitsplit"]["compensation"] and on["bitsplit"]["compensation_s"] > 0
+    assert not off["bitsplit"]["compensation"] and off["bitsplit"]["compensation_s"] == 0
+    assert on["bitsplit"]["verify_pass_s"] > off["bitsplit"]["verify_pass_s"]
+    assert on["projected_speedup"] <= off["projected_speedup"]
+    assert "rounding compensated" in on["text"] and "not compensated" in off["text"]
 
 
 def test_more_overhead_never_projects_faster(fixed, capsys):
@@ -56,7 +70,7 @@ def test_more_overhead_never_projects_faster(fixed, capsys):
         p = plan_json(capsys, "--product-overhead-us", str(us))
         assert p["product_overhead_us"] == us and p["product_overhead_source"] == "given"
         b = p["bitsplit"]
-        assert b["hooked_products"] == P.hooked_products(64, p["placement"]["kept_whole"])
+        assert b["hooked_products"] == P.hooked_products(64, p["placement"]["kept_whole"], compensation=True)
         assert b["product_overhead_s"] == pytest.approx(b["hooked_products"] * us * 1e-6, abs=1e-4)
         speedups.append(p["projected_speedup"])
         tps.append(b["tokens_per_second"])

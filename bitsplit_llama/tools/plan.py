@@ -10,6 +10,8 @@ bitsplit, base on the GPU (as much as fits, the rest on the CPU), residual in sy
     t_verify = base_gpu / B_gpu + base_cpu / (B_ram * e_ram) + t_residual + t_pcie
     t_residual = max(residual / (B_ram * e_ram),  residual_weights / (cores * w_core))
     t_pcie   = hooked products * overhead + activation bytes / B_pcie
+    (compensation, on by default: t_verify += base_gpu / B_gpu + activation bytes of the GPU's
+     layers / B_pcie, and whole layers' products are hooked too)
     tokens/s = a / (rounds * t_draft + t_verify)
 With ``--gpu none`` (everything on this CPU, the case a measurement here can check):
     t_q8     = q8 / (B_ram * e_ram)
@@ -106,10 +108,11 @@ CONSTANTS = {"e_ram": E_RAM, "gpu_overhead_bytes": GPU_OVERHEAD, "launch_and_syn
              "base_bpw": BASE_BPW, "q8_0_bpw": Q8_BPW, "residual_bpw": RESIDUAL_BPW}
 
 
-def hooked_products(layers: int, kept: int) -> int:
+def hooked_products(layers: int, kept: int, compensation: bool = False) -> int:
     """Products completed in add mode per verify pass: :data:`PRODUCTS_PER_LAYER` per split layer (a
-    layer kept whole has no residual) and the output head's."""
-    return (layers - kept) * PRODUCTS_PER_LAYER + 1
+    layer kept whole has no residual) and the output head's; with ``compensation`` a layer kept whole
+    on the GPU too (its products are observed for their second product)."""
+    return (layers - kept) * PRODUCTS_PER_LAYER + 1 + (kept * PRODUCTS_PER_LAYER if compensation else 0)
 
 
 def check_product_overhead(us: float | None) -> float | None:
@@ -412,8 +415,12 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
               tokens_per_verify: float | None = None, rounds: int | None = None, cores: int | None = None,
               verify_rows: int = DEFAULT_VERIFY_ROWS, keep_layers: int | None = None, base_type: str = "q2_k",
               acceptance_source: str = "given", ram_gb: float | None = None,
-              product_overhead_us: float | None = None, log=None) -> dict:
-    """``keep_layers``: at most this many whole layers (None: as many as fit, 0: none); ``base_type``:
+              product_overhead_us: float | None = None, compensation: bool = True, log=None) -> dict:
+    """``compensation`` (``run``'s default with the base on a device): the device computes each of its
+    verify products twice (the second with the rounding's error, native/compensate.c), so a verify
+    pass reads the GPU's weights twice, moves each product's activations twice more over PCIe, and
+    hooks the products of whole layers too.
+    ``keep_layers``: at most this many whole layers (None: as many as fit, 0: none); ``base_type``:
     the base's type (``split --base``); ``product_overhead_us``: each hooked product's fixed cost per
     verify pass beyond its bytes over PCIe (None: the last GPU measurement found, else the default:
     :func:`product_overhead`). The JSON adds ``overhead_sensitivity``: the chosen placement projected
@@ -481,13 +488,17 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         t_res = max(res / (ram_bw * GB * E_RAM), n_params * split_share / (cores * w_core))
         # the callback synchronises at every hooked product: its fixed cost, then the activations'
         # bytes (f32, to the host and back) over PCIe; drafter passes hook nothing
-        hooks = hooked_products(L, kept)
+        hooks = hooked_products(L, kept, compensation)
+        # compensation: the layers on the GPU (whole ones too) computed twice, e up and W2 . e down
+        dev_layers = (ngl_b if kept == 0 else L) if compensation else 0
+        t_comp = base_gpu / (gpu_bw * GB) + dev_layers * act_bytes * 4 * verify_rows * 2 / (pcie * GB)
+        t_comp = t_comp if compensation else 0.0
         t_sync = hooks * overhead_us * 1e-6
         t_pcie = t_sync + (L - kept) * act_bytes * 4 * verify_rows * 2 / (pcie * GB)
         t_draft = t_base + LAUNCH_S
-        t_verify = t_base + t_res + t_pcie + LAUNCH_S
+        t_verify = t_base + t_res + t_pcie + t_comp + LAUNCH_S
         return dict(kept=kept, gpu_bytes=gpu_bytes, base_cpu=base_cpu, res=res, t_res=t_res, t_pcie=t_pcie,
-                    hooks=hooks, t_sync=t_sync, t_draft=t_draft, t_verify=t_verify,
+                    hooks=hooks, t_sync=t_sync, t_draft=t_draft, t_verify=t_verify, t_comp=t_comp,
                     tps=tokens_per_verify / (rounds * t_draft + t_verify))
 
     # what stays in RAM: the residual and the base's layers the GPU does not hold (with --ram, a
@@ -521,6 +532,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
                      "residual_ram_gb": round(res / GB, 1), "draft_pass_s": round(t_draft, 4),
                      "verify_pass_s": round(t_verify, 4), "residual_s": round(t_res, 4), "pcie_s": round(t_pcie, 4),
                      "hooked_products": hooks, "product_overhead_s": round(t_sync, 4),
+                     "compensation": compensation, "compensation_s": round(best["t_comp"], 4),
                      "rounds": rounds, "tokens_per_verify": tokens_per_verify, "tokens_per_verify_source": a_src,
                      "residual_rate_per_core": w_core, "residual_rate_source": w_src, "cores": cores,
                      "tokens_per_second": round(tps, 2)},
@@ -546,6 +558,9 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
         f"PCIe and sync {1000 * t_pcie:.1f} ms), {rounds} drafter passes per cycle, {tokens_per_verify:g} tokens/verify ({a_src})",
         f"    overhead per hooked product: {overhead_us:g} us ({overhead_src}); {hooks} hooked products per verify "
         f"pass: {1000 * t_sync:.1f} ms",
+        (f"    the GPU's rounding compensated (second products on it, their activations over PCIe): "
+         f"{1000 * best['t_comp']:.1f} ms per verify pass" if compensation else
+         "    the GPU's rounding not compensated (--no-compensation)"),
         f"    -> {tps:.2f} tokens/s, {tps / tps_q8:.2f}x stock Q8_0",
         f"  RAM: bitsplit holds {ram_need / GB:.1f} GB there (residual and base layers off the GPU), stock Q8_0 "
         f"{q8_cpu / GB:.1f} GB, besides the OS: " + ("not checked (give --ram GB)" if ram_gb is None else
