@@ -9,7 +9,8 @@
  * e and the result; for llama.cpp's RPC client the same connection as the model's), rounding e as it
  * rounds anything; e's scale is ~1/254 of x's, so what is left of the error is ~254 times smaller.
  * The host adds it with R . x. The host reads no extra weight bytes; the device computes each base
- * product twice, and e goes up and W2 . e comes down, once per shared input for all its products.
+ * product twice, and e goes up and W2 . e comes down, once per shared input for all its products (one
+ * write per rounding rule, one graph, one read).
  *
  * The scheduler has synchronised the model's backend before the callback runs, and every call here
  * finishes its own work (synchronize) before it returns, so the two streams of work never overlap.
@@ -24,6 +25,15 @@
 #include "ggml.h"
 
 #define COMP_DEVICES 8 /* devices a context compensates on (RPC servers, GPUs) */
+#define COMP_CHUNK_BYTES ((size_t)64 << 20) /* the most of a device's memory one graph's e and results take */
+
+/* COMP_CHUNK_BYTES, or BITSPLIT_COMP_CHUNK_KB (tests: small chunks on small models) */
+static size_t chunk_bytes(void) {
+    const char * v = getenv("BITSPLIT_COMP_CHUNK_KB");
+    char * end = NULL;
+    const long long kb = v != NULL ? strtoll(v, &end, 10) : 0;
+    return v != NULL && end != v && *end == '\0' && kb > 0 && kb < (1LL << 30) ? (size_t)kb << 10 : COMP_CHUNK_BYTES;
+}
 
 typedef struct {
     ggml_backend_dev_t dev;
@@ -40,6 +50,8 @@ struct bs_comp {
     size_t meta_size;
     void * err; /* host: e for each distinct rule */
     size_t err_size;
+    void * span; /* host: the results as read back in one piece */
+    size_t span_size;
 };
 
 void bs_comp_free(bitsplit_ctx * ctx, bool lost) {
@@ -57,6 +69,7 @@ void bs_comp_free(bitsplit_ctx * ctx, bool lost) {
     }
     bs_aligned_free(c->meta);
     bs_aligned_free(c->err);
+    bs_aligned_free(c->span);
     free(c);
     ctx->comp = NULL;
 }
@@ -123,65 +136,15 @@ static size_t round_up(size_t n, size_t a) {
     return (n + a - 1) / a * a;
 }
 
-bool bs_compensate(bitsplit_ctx * ctx, const struct ggml_tensor * const * w, int n, const float * x, int64_t n_cols,
-                   float * const * out) {
-    if (n_cols == 0) {
-        return true; /* a pass that wants no rows of this product (no logits asked for) */
-    }
-    if (n < 1 || n > BS_OVERLAP_MAX || n_cols < 0 || x == NULL) {
-        bs_record_error(ctx, BITSPLIT_E_INVALID, "compensation: %d products of %lld columns", n, (long long)n_cols);
-        return false;
-    }
-    const uint64_t t0 = bs_now_ns();
-    const int64_t K = w[0]->ne[0];
-    int rule[BS_OVERLAP_MAX], first[BS_OVERLAP_MAX]; /* each product's rule, and the first product with it */
-    ggml_backend_dev_t dev = w[0] != NULL ? device_of(ctx, w[0]) : NULL;
-    int n_rules = 0;
-    for (int j = 0; j < n; j++) {
-        const struct ggml_tensor * wj = w[j];
-        if (wj == NULL || wj->buffer == NULL || device_of(ctx, wj) != dev || wj->ne[0] != K ||
-            wj->ne[2] != 1 || wj->ne[3] != 1 || out[j] == NULL) {
-            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
-                            "compensation: the products of one input must be 2-D weights %lld wide in one device's buffers "
-                            "('%s')", (long long)K, wj != NULL ? wj->name : "?");
-            return false;
-        }
-        rule[j] = bs_numerics_rule(ctx->compensate, wj->type, n_cols, K);
-        if (rule[j] < 0) {
-            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
-                            "compensation: no rounding rule for weight '%s' of type %s (%lld wide) in a pass of %lld rows",
-                            wj->name, ggml_type_name(wj->type), (long long)K, (long long)n_cols);
-            return false;
-        }
-        first[j] = j;
-        if (rule[j] == 0) { /* a rule that rounds nothing (float weights): nothing to correct */
-            memset(out[j], 0, (size_t)n_cols * (size_t)wj->ne[1] * sizeof(float));
-            first[j] = -1;
-            continue;
-        }
-        for (int k = 0; k < j; k++) {
-            if (rule[k] == rule[j]) {
-                first[j] = first[k];
-                break;
-            }
-        }
-        n_rules += first[j] == j;
-    }
-    if (n_rules == 0) {
-        return true;
-    }
-    if (ctx->comp == NULL && (ctx->comp = calloc(1, sizeof(bs_comp))) == NULL) {
-        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory starting compensation");
-        return false;
-    }
+/* one chunk of n_cols columns: e for each rule from x (the rules of the whole pass), the device's
+ * graph over them, the results read back into out */
+static bool run_chunk(bitsplit_ctx * ctx, comp_dev * d, const struct ggml_tensor * const * w, int n, const int * rule,
+                      const int * first, int n_rules, const float * x, int64_t n_cols, float * const * out) {
     bs_comp * c = ctx->comp;
-    comp_dev * d = device_for(ctx, dev, w[0]->name);
-    if (d == NULL) {
-        return false;
-    }
+    const int64_t K = w[0]->ne[0];
     /* the graph: one tensor e per rule, one product per weight */
     const size_t xbytes = (size_t)n_cols * (size_t)K * sizeof(float);
-    const size_t meta = ggml_tensor_overhead() * (size_t)(2 * n + 2) + ggml_graph_overhead_custom(2 * n + 2, false);
+    const size_t meta = ggml_tensor_overhead() * (size_t)(2 * n + 3) + ggml_graph_overhead_custom(2 * n + 2, false);
     if (!bs_ensure(&c->meta, &c->meta_size, meta) || !bs_ensure(&c->err, &c->err_size, xbytes * (size_t)n_rules)) {
         bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the compensation of '%s'", w[0]->name);
         return false;
@@ -230,14 +193,34 @@ bool bs_compensate(bitsplit_ctx * ctx, const struct ggml_tensor * const * w, int
         }
         d->size = ggml_backend_buffer_get_size(d->buf);
     }
-    char * at = (char *)ggml_backend_buffer_get_base(d->buf);
+    /* the results first, one after another, so that one read brings them all back (a span over them) */
+    char * const base = (char *)ggml_backend_buffer_get_base(d->buf);
+    char * at = base;
+    size_t yoff[BS_OVERLAP_MAX] = {0};
+    int n_y = 0;
     for (int j = 0; j < n; j++) {
-        struct ggml_tensor * ts[2] = {e[j], y[j]};
-        for (int i = 0; i < 2; i++) {
-            if (ts[i] != NULL) {
-                ggml_backend_tensor_alloc(d->buf, ts[i], at);
-                at += round_up(ggml_backend_buft_get_alloc_size(d->buft, ts[i]), align);
-            }
+        if (y[j] != NULL) {
+            ggml_backend_tensor_alloc(d->buf, y[j], at);
+            yoff[j] = (size_t)(at - base);
+            at += round_up(ggml_backend_buft_get_alloc_size(d->buft, y[j]), align);
+            n_y++;
+        }
+    }
+    const size_t span_bytes = (size_t)(at - base);
+    for (int j = 0; j < n; j++) {
+        if (e[j] != NULL) {
+            ggml_backend_tensor_alloc(d->buf, e[j], at);
+            at += round_up(ggml_backend_buft_get_alloc_size(d->buft, e[j]), align);
+        }
+    }
+    struct ggml_tensor * span = NULL;
+    if (n_y > 1) {
+        span = ggml_new_tensor_1d(g, GGML_TYPE_F32, (int64_t)(span_bytes / sizeof(float)));
+        ggml_backend_tensor_alloc(d->buf, span, base);
+        if (!bs_ensure(&c->span, &c->span_size, span_bytes)) {
+            ggml_free(g);
+            bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory reading back the compensation of '%s'", w[0]->name);
+            return false;
         }
     }
     struct ggml_cgraph * gf = ggml_new_graph_custom(g, 2 * n + 2, false);
@@ -258,18 +241,107 @@ bool bs_compensate(bitsplit_ctx * ctx, const struct ggml_tensor * const * w, int
                         ggml_backend_dev_name(d->dev), w[0]->name, ggml_status_to_string(st));
         return false;
     }
+    if (span != NULL) { /* one read for every result */
+        ggml_backend_tensor_get(span, c->span, 0, span_bytes);
+        atomic_fetch_add(&ctx->c_bdev_in, span_bytes);
+    }
     for (int j = 0; j < n; j++) {
         if (y[j] == NULL) {
             continue;
         }
         const size_t ybytes = (size_t)n_cols * (size_t)w[j]->ne[1] * sizeof(float);
-        ggml_backend_tensor_get(y[j], out[j], 0, ybytes);
-        atomic_fetch_add(&ctx->c_bdev_in, ybytes);
+        if (span != NULL) {
+            memcpy(out[j], (const char *)c->span + yoff[j], ybytes);
+        } else {
+            ggml_backend_tensor_get(y[j], out[j], 0, ybytes);
+            atomic_fetch_add(&ctx->c_bdev_in, ybytes);
+        }
     }
     ggml_free(g);
+    return true;
+}
+
+bool bs_compensate(bitsplit_ctx * ctx, const struct ggml_tensor * const * w, int n, const float * x, int64_t n_cols,
+                   float * const * out) {
+    if (n_cols == 0) {
+        return true; /* a pass that wants no rows of this product (no logits asked for) */
+    }
+    if (n < 1 || n > BS_OVERLAP_MAX || n_cols < 0 || x == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_INVALID, "compensation: %d products of %lld columns", n, (long long)n_cols);
+        return false;
+    }
+    if (w[0] == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_INVALID, "compensation: no weight");
+        return false;
+    }
+    const uint64_t t0 = bs_now_ns();
+    const int64_t K = w[0]->ne[0];
+    int rule[BS_OVERLAP_MAX], first[BS_OVERLAP_MAX]; /* each product's rule, and the first product with it */
+    ggml_backend_dev_t dev = device_of(ctx, w[0]);
+    int n_rules = 0;
+    for (int j = 0; j < n; j++) {
+        const struct ggml_tensor * wj = w[j];
+        if (wj == NULL || wj->buffer == NULL || device_of(ctx, wj) != dev || wj->ne[0] != K ||
+            wj->ne[2] != 1 || wj->ne[3] != 1 || out[j] == NULL) {
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
+                            "compensation: the products of one input must be 2-D weights %lld wide in one device's buffers "
+                            "('%s')", (long long)K, wj != NULL ? wj->name : "?");
+            return false;
+        }
+        rule[j] = bs_numerics_rule(ctx->compensate, wj->type, n_cols, K);
+        if (rule[j] < 0) {
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
+                            "compensation: no rounding rule for weight '%s' of type %s (%lld wide) in a pass of %lld rows",
+                            wj->name, ggml_type_name(wj->type), (long long)K, (long long)n_cols);
+            return false;
+        }
+        first[j] = j;
+        if (rule[j] == 0) { /* a rule that rounds nothing (float weights): nothing to correct */
+            memset(out[j], 0, (size_t)n_cols * (size_t)wj->ne[1] * sizeof(float));
+            first[j] = -1;
+            continue;
+        }
+        for (int k = 0; k < j; k++) {
+            if (rule[k] == rule[j]) {
+                first[j] = first[k];
+                break;
+            }
+        }
+        n_rules += first[j] == j;
+    }
+    if (n_rules == 0) {
+        return true;
+    }
+    if (ctx->comp == NULL && (ctx->comp = calloc(1, sizeof(bs_comp))) == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory starting compensation");
+        return false;
+    }
+    comp_dev * d = device_for(ctx, dev, w[0]->name);
+    if (d == NULL) {
+        return false;
+    }
+    /* in chunks of columns, so that the device's buffer stays within COMP_CHUNK_BYTES (the output head's
+     * results for a 512-row pass would take 300 MB of a GPU's memory at once); each column's e and result
+     * are the same whatever chunk it is in */
+    size_t col_bytes = (size_t)n_rules * (size_t)K * sizeof(float);
+    for (int j = 0; j < n; j++) {
+        col_bytes += first[j] >= 0 ? (size_t)w[j]->ne[1] * sizeof(float) : 0;
+    }
+    const size_t cap = chunk_bytes();
+    const int64_t chunk = (int64_t)(cap / col_bytes) > 0 ? (int64_t)(cap / col_bytes) : 1;
+    for (int64_t c0 = 0; c0 < n_cols; c0 += chunk) {
+        const int64_t nc = n_cols - c0 < chunk ? n_cols - c0 : chunk;
+        float * outs[BS_OVERLAP_MAX];
+        for (int j = 0; j < n; j++) {
+            outs[j] = out[j] + (size_t)c0 * (size_t)w[j]->ne[1];
+        }
+        if (!run_chunk(ctx, d, w, n, rule, first, n_rules, x + (size_t)c0 * (size_t)K, nc, outs)) {
+            return false;
+        }
+    }
     int n_done = 0;
     for (int j = 0; j < n; j++) {
-        n_done += y[j] != NULL;
+        n_done += first[j] >= 0;
     }
     atomic_fetch_add(&ctx->c_comp, (uint64_t)n_done);
     atomic_fetch_add(&ctx->c_ns_comp, bs_now_ns() - t0);

@@ -84,6 +84,19 @@ def test_compensation_in_add_mode_on_llama_cpps_cpu_backend(tiny_split):
     assert c.n_overlapped == c.n_add_products  # with overlap: W2 . e for each input's products at its stop
 
 
+def test_compensation_in_chunks_of_columns_gives_the_same(tiny_split, monkeypatch):
+    """The device's part is cut into chunks of columns (its memory bounded): one column per chunk
+    gives the whole pass's compensation, up to ggml-cpu's own arithmetic, which is not the same for
+    1 column as for many on this model's weight types (its multi-column kernels)."""
+    add, _ = _logits(tiny_split, mode="add")
+    whole, c_whole = _logits(tiny_split, mode="add", comp="cpu")
+    monkeypatch.setenv("BITSPLIT_COMP_CHUNK_KB", "1")  # under one column of the widest product
+    chunked, c_chunked = _logits(tiny_split, mode="add", comp="cpu")
+    print(f"chunked vs whole {_gap(chunked, whole):.3g}, the compensation itself {_gap(add, whole):.3g}")
+    assert _gap(chunked, whole) < 0.05 * _gap(add, whole)
+    assert c_chunked.n_compensated == c_whole.n_compensated > 0
+
+
 def test_compensation_with_the_base_on_an_rpc_device_equals_add_mode(tiny_split):
     floor, _ = _logits(tiny_split, numerics="float")
     add_c, _ = _logits(tiny_split, mode="add", comp="cpu")
