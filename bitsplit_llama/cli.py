@@ -517,6 +517,17 @@ def bench(
               f"{100 * ts['draft']:.0f}% / {100 * ts['verify']:.0f}% / {100 * ts['other_python']:.0f}%")
     t.add_row("residual pass", "-", f"{100 * ts['residual']:.0f}% of time, {s['residual_bytes_per_second'] / 1e9:.1f} GB/s "
               f"= {100 * s['residual_bandwidth_use']:.0f}% of {s['memory_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s")
+    am = s.get("add_mode_per_pass")
+    if am:  # the base on a device: add mode's cost per verify pass (medians over runs)
+        t.add_row(f"base on {s['base_device']}: per verify pass", "-",
+                  f"{am['products_per_pass']:.0f} products ({am['overlapped_per_pass']:.0f} overlapped), "
+                  f"{am['syncs_per_pass']:.0f} syncs, {am['bytes_from_device_per_pass'] / 1e6:.1f} MB from / "
+                  f"{am['bytes_to_device_per_pass'] / 1e6:.1f} MB to the device; R.x {am['residual_ms_per_pass']:.1f} ms, "
+                  f"transfers {am['transfer_ms_per_pass']:.1f} ms, waits {am['wait_ms_per_pass']:.1f} ms")
+        comp = s.get("compensation")
+        t.add_row("device's rounding compensated", "-",
+                  f"{comp}: {am.get('compensated_per_pass', 0):.0f} second products, "
+                  f"{am.get('compensate_ms_per_pass', 0):.1f} ms per pass" if comp and comp != "off" else "off")
     Console().print(t)
 
 

@@ -97,7 +97,7 @@ def test_compensation_in_chunks_of_columns_gives_the_same(tiny_split, monkeypatc
     assert c_chunked.n_compensated == c_whole.n_compensated > 0
 
 
-def test_compensation_with_the_base_on_an_rpc_device_equals_add_mode(tiny_split):
+def test_compensation_with_the_base_on_an_rpc_device_equals_add_mode(tiny_split, tiny_f32):
     floor, _ = _logits(tiny_split, numerics="float")
     add_c, _ = _logits(tiny_split, mode="add", comp="cpu")
     server = Server()
@@ -105,6 +105,16 @@ def test_compensation_with_the_base_on_an_rpc_device_equals_add_mode(tiny_split)
         dev, c_dev = _logits(tiny_split, rpc=server.endpoint, compensation="off", passes=2)
         seq_c, c_seq = _logits(tiny_split, rpc=server.endpoint, comp="cpu", overlap=False)
         dev_c, c_c = _logits(tiny_split, rpc=server.endpoint, passes=2)  # compensation "auto": the CPU's rule
+        # bench reports it per verify pass, in its JSON and its table
+        b = subprocess.run([*CLI, "bench", str(tiny_split), "--vs", str(tiny_f32), "--rpc", server.endpoint, "-n", "6",
+                            "--repeat", "1", "--json", "-q"], capture_output=True, text=True, timeout=600)
+        assert b.returncode == 0, b.stderr
+        rep = json.loads(b.stdout.strip().splitlines()[-1])
+        assert rep["compensation"] == "cpu" and rep["add_mode_per_pass"]["compensated_per_pass"] > 0
+        b = subprocess.run([*CLI, "bench", str(tiny_split), "--vs", str(tiny_f32), "--rpc", server.endpoint, "-n", "6",
+                            "--repeat", "1", "-q", "--compensation", "off"], capture_output=True, text=True, timeout=600)
+        assert b.returncode == 0, b.stderr
+        assert "per verify pass" in b.stdout and "rounding" in b.stdout
     finally:
         server.stop()
     print(f"rpc device: gap to the floor {_gap(dev, floor):.3g}, compensated {_gap(dev_c, floor):.3g}")
