@@ -75,7 +75,8 @@ def main() -> None:
     n_batch = max(batches + [CONTEXT])
     dev_kw = {"rpc": a.rpc} if a.rpc else {"n_gpu_layers": 99}
     comp = a.compensation or ("cpu" if a.rpc else "cuda")
-    modes = ("overlap", "sequential") + (("compensated",) if comp != "off" else ())
+    modes = ("overlap", "sequential") + (("compensated",) if comp != "off" else ()) + ("device_add",) + \
+        (("device_add_compensated",) if comp != "off" else ())
     local = SplitModel(a.split, n_ctx=512, n_batch=n_batch, n_threads=a.threads)
     dev = SplitModel(a.split, n_ctx=512, n_batch=n_batch, n_threads=a.threads, **dev_kw)
     out = {"split": a.split, "device": a.rpc or "gpu", "threads": local.ctx.n_threads, "batches": {},
@@ -96,11 +97,13 @@ def main() -> None:
                 times["device"].append(_pass(dev, rows, verify=False)[0])
                 for mode in modes:
                     dev.residual.set_overlap(mode != "sequential")
-                    dev.residual.set_compensation(comp if mode == "compensated" else "host")
+                    dev.residual.set_compensation(comp if mode.endswith("compensated") else "host")
+                    dev.residual.set_device_add(mode.startswith("device_add"))
                     dt, c0, c1 = _pass(dev, rows)
                     times[mode].append(dt)
                     per[mode].append((c0, c1))
                 dev.residual.set_compensation("host")
+                dev.residual.set_device_add(False)
             row = {k: round(1e3 * statistics.median(v), 2) for k, v in times.items()}
             row = {f"{k}_ms": v for k, v in row.items()}
             for mode, pairs in per.items():
@@ -117,7 +120,7 @@ def main() -> None:
                     "residual_ms": med(lambda x, y: y.seconds_inside - x.seconds_inside),
                     "wait_ms": med(lambda x, y: y.seconds_wait - x.seconds_wait),
                 }
-                if mode == "compensated":  # the second products: the host's e, the transfers, the device's graph
+                if mode.endswith("compensated"):  # the second products: the host's e, the transfers, the device's graph
                     row[mode]["compensated"] = c1.n_compensated - c0.n_compensated
                     row[mode]["compensate_ms"] = med(lambda x, y: y.seconds_compensate - x.seconds_compensate)
                 # beyond the larger of the device's own pass and the host's R . x (which overlap can hide
@@ -128,6 +131,8 @@ def main() -> None:
             row["overlap_gain"] = round(row["sequential_ms"] / row["overlap_ms"], 3)
             if "compensated" in modes:
                 row["compensation_cost"] = round(row["compensated_ms"] / row["overlap_ms"], 3)
+                row["device_add_compensation_cost"] = round(row["device_add_compensated_ms"] / row["device_add_ms"], 3)
+            row["device_add_gain"] = round(row["overlap_ms"] / row["device_add_ms"], 3)
             row["device_vs_local"] = round(row["overlap_ms"] / row["local_ms"], 3)
             out["batches"][rows] = row
             print(f"{rows:>3} rows: local {row['local_ms']:.1f} ms, device alone {row['device_ms']:.1f} ms, "
@@ -141,7 +146,11 @@ def main() -> None:
                   f"(sequential {row['sequential']['overhead_per_product_us']:.0f} us)"
                   + (f"; compensated ({comp}) {row['compensated_ms']:.1f} ms ({row['compensation_cost']:.2f}x overlap's; "
                      f"second products {row['compensated']['compensate_ms']:.1f} ms, "
-                     f"{row['compensated']['syncs']} syncs)" if "compensated" in modes else ""),
+                     f"{row['compensated']['syncs']} syncs)" if "compensated" in modes else "")
+                  + (f"; sum on the device {row['device_add_ms']:.1f} ms ({row['device_add_gain']:.2f}x faster than "
+                     f"on the host; overhead per product {row['device_add']['overhead_per_product_us']:.0f} us)")
+                  + (f", compensated {row['device_add_compensated_ms']:.1f} ms "
+                     f"({row['device_add_compensation_cost']:.2f}x)" if "compensated" in modes else ""),
                   file=sys.stderr, flush=True)
     finally:
         dev.close()

@@ -91,6 +91,13 @@ int bitsplit_ctx_set_compensation(bitsplit_ctx * ctx, int numerics, void * cpu_d
     return BITSPLIT_OK;
 }
 
+void bitsplit_ctx_set_device_add(bitsplit_ctx * ctx, bool on) {
+    if (ctx != NULL) {
+        bs_overlap_drain(ctx);
+        ctx->device_add = on;
+    }
+}
+
 void bitsplit_ctx_release_devices(bitsplit_ctx * ctx, bool lost) {
     if (ctx != NULL) {
         bs_overlap_drain(ctx);

@@ -177,6 +177,11 @@ int bitsplit_ctx_set_compensation(bitsplit_ctx * ctx, int numerics, void * cpu_d
  * weights goes; the next compensated pass opens them again), or with lost (the device is gone, e.g. an
  * RPC server that stopped answering) let go without a word to the device. bitsplit_ctx_free frees them. */
 void bitsplit_ctx_release_devices(bitsplit_ctx * ctx, bool lost);
+/* Add mode's sum made on the device (on: the default): for a product node in a device buffer, R . x
+ * (and, compensating, W2 . e) goes up and a graph on the device adds it in place, instead of W2 . x
+ * coming to the host and the sum going back: half the bytes, and on llama.cpp's RPC client no round
+ * trip per product. Off: the sum on the host. */
+void bitsplit_ctx_set_device_add(bitsplit_ctx * ctx, bool on);
 /* A fixed set of exact channels for the weight `name` under emulated numerics (each in [0, row
  * width), at most BITSPLIT_MAX_OUTLIERS; n = 0 clears it): every row takes these instead of its own
  * largest (the set an importance matrix names; the host would hold those columns as a dense slab of

@@ -294,6 +294,7 @@ struct bitsplit_ctx {
     int numerics_outliers;       /* channels per row kept exact under it (0 to BITSPLIT_MAX_OUTLIERS) */
     int compensate;              /* enum bitsplit_numerics: the device rounding a second base product corrects */
     void * comp_cpu_dev;         /* ggml_backend_dev_t: llama.cpp's CPU device, for weights in host memory */
+    bool device_add;             /* add mode: R . x (and compensation) added on the device, in place */
     atomic_int n_exact_sets;     /* weights with a fixed exact set: then the others take none */
     bool replace_ok; /* custom-op layout check passed */
     /* A family pinned for decode passes (<= BS_DECODE_COLS columns) by bitsplit_ctx_set_kernel /
@@ -434,6 +435,10 @@ bool bs_compensate(struct bitsplit_ctx * ctx, const struct ggml_tensor * const *
                    int64_t n_cols, float * const * out);
 /* the devices' backends and buffers freed (lost: let go without a word to the device) */
 void bs_comp_free(struct bitsplit_ctx * ctx, bool lost);
+/* add mode on the device: t (a product node in a device buffer, W2 . x) += delta (n_cols x N on the host)
+ * and, compensating, + W2 . (x - round(x)) (x: the host's activations), by an in-place graph on t's
+ * device; false after recording an error */
+bool bs_device_add(struct bitsplit_ctx * ctx, struct ggml_tensor * t, const float * delta, const float * x);
 
 /* overlap.c: R . x on a runner thread while the device computes W2 . x (add mode) */
 bool bs_overlap_enable(struct bitsplit_ctx * ctx, bool on);
@@ -449,6 +454,8 @@ void bs_overlap_start(struct bitsplit_ctx * ctx, const struct ggml_tensor * x);
 /* the device computed t = W2 . x: R . x for it (waiting for it if need be), or NULL if it was not
  * started from this very x (then compute it now) */
 const float * bs_overlap_take(struct bitsplit_ctx * ctx, const struct ggml_tensor * t, const bs_entry * e);
+/* the host's copy of product t's input x, made at x's stop (NULL if t was not started from it) */
+const float * bs_overlap_x(const struct bitsplit_ctx * ctx, const struct ggml_tensor * t);
 
 /* FNV-1a of a tensor or node name (the residual's name table, overlap's table of inputs) */
 static inline uint64_t bs_hash_name(const char * s) {

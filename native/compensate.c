@@ -347,3 +347,135 @@ bool bs_compensate(bitsplit_ctx * ctx, const struct ggml_tensor * const * w, int
     atomic_fetch_add(&ctx->c_ns_comp, bs_now_ns() - t0);
     return true;
 }
+
+/* add mode on the device (bitsplit_ctx_set_device_add): t, a product node in a device buffer holding
+ * W2 . x, += delta (R . x from the host, n_cols x N) and, compensating, + W2 . e (e = x - round(x) from
+ * the host's x), by a graph of the device's own that adds in place: the sum never comes to the host.
+ * Per product: delta (and e) up, nothing down; on llama.cpp's RPC client no round trip at all. */
+bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * delta, const float * x) {
+    const struct ggml_tensor * w = t->src[0];
+    const int64_t n_cols = ggml_nrows(t->src[1]), K = w->ne[0], N = w->ne[1];
+    if (n_cols == 0) {
+        return true;
+    }
+    if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t) || t->ne[0] != N || ggml_nrows(t) != n_cols ||
+        t->buffer == NULL || t->data == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "device add: the product of '%s' has an unsupported layout",
+                        w->name);
+        return false;
+    }
+    const uint64_t t0 = bs_now_ns();
+    const int rule = ctx->compensate != BITSPLIT_NUMERICS_HOST ? bs_numerics_rule(ctx->compensate, w->type, n_cols, K) : 0;
+    if (rule < 0) {
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
+                        "compensation: no rounding rule for weight '%s' of type %s (%lld wide) in a pass of %lld rows",
+                        w->name, ggml_type_name(w->type), (long long)K, (long long)n_cols);
+        return false;
+    }
+    if (delta == NULL && rule == 0) {
+        return true; /* nothing to add */
+    }
+    if (rule > 0 && x == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_INVALID, "device add: no activations to compensate '%s' with", w->name);
+        return false;
+    }
+    if (ctx->comp == NULL && (ctx->comp = calloc(1, sizeof(bs_comp))) == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory starting the device's add");
+        return false;
+    }
+    bs_comp * c = ctx->comp;
+    comp_dev * d = device_for(ctx, device_of(ctx, w), w->name);
+    if (d == NULL) {
+        return false;
+    }
+    const size_t col_bytes = (size_t)((delta != NULL ? N : 0) + (rule > 0 ? 2 * N + K : 0)) * sizeof(float);
+    const size_t cap = chunk_bytes();
+    const int64_t chunk = (int64_t)(cap / col_bytes) > 0 ? (int64_t)(cap / col_bytes) : 1;
+    const size_t meta = ggml_tensor_overhead() * 8 + ggml_graph_overhead_custom(8, false);
+    const size_t align = ggml_backend_buft_get_alignment(d->buft);
+    if (!bs_ensure(&c->meta, &c->meta_size, meta) ||
+        (rule > 0 && !bs_ensure(&c->err, &c->err_size, (size_t)(n_cols < chunk ? n_cols : chunk) * (size_t)K * sizeof(float)))) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the device's add of '%s'", w->name);
+        return false;
+    }
+    for (int64_t c0 = 0; c0 < n_cols; c0 += chunk) {
+        const int64_t nc = n_cols - c0 < chunk ? n_cols - c0 : chunk;
+        struct ggml_init_params ip = {.mem_size = meta, .mem_buffer = c->meta, .no_alloc = true};
+        struct ggml_context * g = ggml_init(ip);
+        if (g == NULL) {
+            bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the device's add of '%s'", w->name);
+            return false;
+        }
+        struct ggml_tensor * dd = delta != NULL ? ggml_new_tensor_2d(g, GGML_TYPE_F32, N, nc) : NULL, * sum = dd;
+        struct ggml_tensor * ee = NULL, * m = NULL;
+        if (rule > 0) {
+            ee = ggml_new_tensor_2d(g, GGML_TYPE_F32, K, nc);
+            m = ggml_mul_mat(g, (struct ggml_tensor *)w, ee);
+            sum = dd != NULL ? ggml_add(g, dd, m) : m;
+        }
+        struct ggml_tensor * own[4] = {dd, ee, m, sum != dd && sum != m ? sum : NULL};
+        size_t need = 0;
+        for (int i = 0; i < 4; i++) {
+            need += own[i] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, own[i]), align) : 0;
+        }
+        if (need > d->size) {
+            if (d->buf != NULL) {
+                ggml_backend_buffer_free(d->buf);
+            }
+            d->size = 0;
+            d->buf = ggml_backend_buft_alloc_buffer(d->buft, need + need / 4);
+            if (d->buf == NULL) {
+                ggml_free(g);
+                bs_record_error(ctx, BITSPLIT_E_NOMEM, "device add: the device could not allocate %llu bytes",
+                                (unsigned long long)(need + need / 4));
+                return false;
+            }
+            d->size = ggml_backend_buffer_get_size(d->buf);
+        }
+        char * at = (char *)ggml_backend_buffer_get_base(d->buf);
+        for (int i = 0; i < 4; i++) {
+            if (own[i] != NULL) {
+                ggml_backend_tensor_alloc(d->buf, own[i], at);
+                at += round_up(ggml_backend_buft_get_alloc_size(d->buft, own[i]), align);
+            }
+        }
+        /* t's columns [c0, c0 + nc), added to in place: a tensor of this graph's own over the node's memory
+         * (t itself would bring the model's whole graph behind it into this one) */
+        struct ggml_tensor * tv = ggml_new_tensor_2d(g, GGML_TYPE_F32, N, nc);
+        struct ggml_tensor * out = ggml_add_inplace(g, tv, sum);
+        if (ggml_backend_tensor_alloc(t->buffer, tv, (char *)t->data + (size_t)c0 * t->nb[1]) != GGML_STATUS_SUCCESS ||
+            ggml_backend_view_init(out) != GGML_STATUS_SUCCESS) {
+            ggml_free(g);
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "device add: cannot view the node of '%s'", w->name);
+            return false;
+        }
+        if (dd != NULL) {
+            ggml_backend_tensor_set(dd, delta + (size_t)c0 * (size_t)N, 0, (size_t)nc * (size_t)N * sizeof(float));
+            atomic_fetch_add(&ctx->c_bdev_out, (size_t)nc * (size_t)N * sizeof(float));
+        }
+        if (rule > 0) {
+            float * eh = (float *)c->err;
+            for (int64_t col = 0; col < nc; col++) {
+                bs_numerics_error(rule, x + (size_t)(c0 + col) * (size_t)K, K, eh + (size_t)col * (size_t)K);
+            }
+            ggml_backend_tensor_set(ee, eh, 0, (size_t)nc * (size_t)K * sizeof(float));
+            atomic_fetch_add(&ctx->c_bdev_out, (size_t)nc * (size_t)K * sizeof(float));
+        }
+        struct ggml_cgraph * gf = ggml_new_graph_custom(g, 8, false);
+        ggml_build_forward_expand(gf, out);
+        const enum ggml_status st = ggml_backend_graph_compute(d->backend, gf);
+        ggml_backend_synchronize(d->backend); /* done before the model's graph goes on */
+        ggml_free(g);
+        if (st != GGML_STATUS_SUCCESS) {
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "device add: device %s failed the sum of '%s' (%s)",
+                            ggml_backend_dev_name(d->dev), w->name, ggml_status_to_string(st));
+            return false;
+        }
+    }
+    if (rule > 0) {
+        atomic_fetch_add(&ctx->c_comp, 1);
+        atomic_fetch_add(&ctx->c_ns_comp, bs_now_ns() - t0);
+    }
+    atomic_fetch_add(&ctx->c_ns_xfer, bs_now_ns() - t0);
+    return true;
+}

@@ -644,8 +644,12 @@ static void compensate_exact(bitsplit_ctx * ctx, struct ggml_tensor * t, const b
     }
     const uint64_t tx = bs_now_ns();
     ggml_backend_tensor_get(x, xs, 0, xbytes);
+    count_transfer(ctx, x, xbytes, true, tx);
+    if (ctx->device_add && !host(t)) { /* W2 . e added on the device, in place */
+        bs_device_add(ctx, t, NULL, xs);
+        return;
+    }
     ggml_backend_tensor_get(t, ys, 0, ybytes);
-    count_transfer(ctx, x, xbytes, true, 0);
     count_transfer(ctx, t, ybytes, true, tx);
     if (compensate_one(ctx, t, xs, n_cols, ys)) {
         const uint64_t ts = bs_now_ns();
@@ -709,6 +713,7 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     bs_overlap_learn(ctx, x, e, t->src[0]);
     /* R . x: started when x was computed (overlap), or computed now */
     const float * delta = bs_overlap_take(ctx, t, e);
+    const float * xcopy = NULL; /* the host's x, for compensation on the device */
     bs_job job;
     if (delta == NULL) {
         bs_overlap_drain(ctx);
@@ -736,10 +741,17 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
             return true;
         }
         bs_count_job(ctx, &job, t0, true);
-        if (ctx->compensate != BITSPLIT_NUMERICS_HOST) {
+        if (ctx->compensate != BITSPLIT_NUMERICS_HOST && !(ctx->device_add && !host(t))) {
             compensate_one(ctx, t, xs, n_cols, d); /* on failure: an error for the pass */
         }
         delta = d;
+        xcopy = xs;
+    } else {
+        xcopy = bs_overlap_x(ctx, t);
+    }
+    if (ctx->device_add && !host(t)) { /* R . x (and W2 . e) added on the device: nothing comes back */
+        bs_device_add(ctx, t, delta, xcopy); /* on failure: an error for the pass */
+        return true;
     }
     float * ys = host(t) ? t->data : bs_scratch_get(&ctx->host_y, ybytes);
     if (ys == NULL) {

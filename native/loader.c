@@ -97,6 +97,7 @@ int bitsplit_ctx_load(const char * residual_path, const char * base_path, bitspl
     }
     bs_mutex_init(&ctx->err_lock);
     ctx->n_threads = 1;
+    ctx->device_add = true; /* add mode's sum on the device (bitsplit_ctx_set_device_add) */
 
     struct ggml_context * meta_res = NULL;
     struct ggml_context * meta_base = NULL;

@@ -63,6 +63,7 @@ struct bs_overlap {
     void * cbuf;
     size_t ccap;
     bool comp_ok;
+    bool dev_sum; /* the batch's sums made on the device: no W2 . e here */
 };
 
 static feed * find_feed(bs_overlap * ov, const char * name, bool insert) {
@@ -244,8 +245,11 @@ void bs_overlap_start(bitsplit_ctx * ctx, const struct ggml_tensor * x) {
     ov->comp_ok = false;
     bs_cond_broadcast(&ov->cv_work);
     bs_mutex_unlock(&ov->lock);
-    if (ctx->compensate != BITSPLIT_NUMERICS_HOST) {
-        /* the device's second products, W2 . e for every product of x at once, while R . x runs */
+    /* the sum made on the device (bitsplit_ctx_set_device_add) for a device's products: each one's W2 . e with it */
+    ov->dev_sum = ctx->device_add && !bs_host_tensor(x);
+    if (ctx->compensate != BITSPLIT_NUMERICS_HOST && !ov->dev_sum) {
+        /* the device's second products, W2 . e for every product of x at once, while R . x runs (with
+         * the device's add, each product's is made with its sum on the device) */
         float * outs[FEED_MAX];
         if (!bs_ensure(&ov->cbuf, &ov->ccap, ysize)) {
             return; /* taken after the fact (bs_overlap_take refuses the batch) */
@@ -268,7 +272,7 @@ const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, 
     bs_mutex_lock(&ov->lock);
     int i = -1;
     if (ov->x != NULL && ov->x == x && ov->n_cols == ggml_nrows(x) &&
-        (ctx->compensate == BITSPLIT_NUMERICS_HOST || ov->comp_ok)) {
+        (ctx->compensate == BITSPLIT_NUMERICS_HOST || ov->dev_sum || ov->comp_ok)) {
         for (int k = 0; k < ov->n_jobs; k++) {
             if (ov->e[k] == e && !ov->taken[k]) {
                 i = k;
@@ -291,7 +295,7 @@ const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, 
     if (job->y == NULL) {
         return NULL;
     }
-    if (ctx->compensate != BITSPLIT_NUMERICS_HOST) { /* the device's W2 . e, laid out as the jobs' y */
+    if (ctx->compensate != BITSPLIT_NUMERICS_HOST && !ov->dev_sum) { /* the device's W2 . e, laid out as y */
         const float * c = (const float *)ov->cbuf + (job->y - (float *)ov->ybuf);
         for (int64_t k = 0; k < job->n_cols * job->N; k++) {
             job->y[k] += c[k];
@@ -300,4 +304,11 @@ const float * bs_overlap_take(bitsplit_ctx * ctx, const struct ggml_tensor * t, 
     bs_count_job(ctx, job, bs_now_ns() - ov->ns[i], true);
     atomic_fetch_add(&ctx->c_overlap, 1);
     return job->y;
+}
+
+const float * bs_overlap_x(const bitsplit_ctx * ctx, const struct ggml_tensor * t) {
+    const bs_overlap * ov = ctx->ov;
+    return ctx->overlap && ov != NULL && ov->x != NULL && ov->x == t->src[1] && ov->n_cols == ggml_nrows(t->src[1])
+               ? (const float *)ov->xbuf
+               : NULL;
 }

@@ -157,6 +157,7 @@ class Residual:
         self.base_path, self.residual_path = base_p, res_p
         self.numerics, self.outliers = "host", 0  # set_numerics
         self.compensation = "host"  # set_compensation
+        self.device_add = True  # set_device_add (the native default)
         with GGUFFile(base_p, role="base") as b, GGUFFile(res_p, role="residual") as r:
             check_pair(b, r, check_fingerprint=check_fingerprint)
             self.architecture = b.architecture
@@ -270,6 +271,12 @@ class Residual:
                                                    cpu) != 0:
             raise InvalidOptionError("compensation of the device's rounding does not combine with outlier channels")
         self.compensation = numerics
+
+    def set_device_add(self, on: bool) -> None:
+        """Add mode's sum made on the device (R . x up, added in place by a graph there) or on the host
+        (W2 . x down, the sum back up): bitsplit_ctx_set_device_add."""
+        self._lib.bitsplit_ctx_set_device_add(self.ptr, bool(on))
+        self.device_add = bool(on)
 
     def release_devices(self, lost: bool = False) -> None:
         """Free what compensation opened on devices (its backends and buffers) before the model holding
