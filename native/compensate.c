@@ -136,6 +136,25 @@ static size_t round_up(size_t n, size_t a) {
     return (n + a - 1) / a * a;
 }
 
+/* d's buffer holding at least need bytes (its contents are not kept when it grows); false after an error */
+static bool grow_buffer(bitsplit_ctx * ctx, comp_dev * d, size_t need) {
+    if (need <= d->size) {
+        return true;
+    }
+    if (d->buf != NULL) {
+        ggml_backend_buffer_free(d->buf);
+    }
+    d->size = 0;
+    d->buf = ggml_backend_buft_alloc_buffer(d->buft, need + need / 4);
+    if (d->buf == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "device %s could not allocate %llu bytes for this library's graphs",
+                        ggml_backend_dev_name(d->dev), (unsigned long long)(need + need / 4));
+        return false;
+    }
+    d->size = ggml_backend_buffer_get_size(d->buf);
+    return true;
+}
+
 /* one chunk of n_cols columns: e for each rule from x (the rules of the whole pass), the device's
  * graph over them, the results read back into out */
 static bool run_chunk(bitsplit_ctx * ctx, comp_dev * d, const struct ggml_tensor * const * w, int n, const int * rule,
@@ -179,19 +198,9 @@ static bool run_chunk(bitsplit_ctx * ctx, comp_dev * d, const struct ggml_tensor
         need += (e[j] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, e[j]), align) : 0) +
                 (y[j] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, y[j]), align) : 0);
     }
-    if (need > d->size) {
-        if (d->buf != NULL) {
-            ggml_backend_buffer_free(d->buf);
-        }
-        d->size = 0;
-        d->buf = ggml_backend_buft_alloc_buffer(d->buft, need + need / 4);
-        if (d->buf == NULL) {
-            ggml_free(g);
-            bs_record_error(ctx, BITSPLIT_E_NOMEM, "compensation: the device could not allocate %llu bytes",
-                            (unsigned long long)(need + need / 4));
-            return false;
-        }
-        d->size = ggml_backend_buffer_get_size(d->buf);
+    if (!grow_buffer(ctx, d, need)) {
+        ggml_free(g);
+        return false;
     }
     /* the results first, one after another, so that one read brings them all back (a span over them) */
     char * const base = (char *)ggml_backend_buffer_get_base(d->buf);
@@ -418,19 +427,9 @@ bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * del
         for (int i = 0; i < 4; i++) {
             need += own[i] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, own[i]), align) : 0;
         }
-        if (need > d->size) {
-            if (d->buf != NULL) {
-                ggml_backend_buffer_free(d->buf);
-            }
-            d->size = 0;
-            d->buf = ggml_backend_buft_alloc_buffer(d->buft, need + need / 4);
-            if (d->buf == NULL) {
-                ggml_free(g);
-                bs_record_error(ctx, BITSPLIT_E_NOMEM, "device add: the device could not allocate %llu bytes",
-                                (unsigned long long)(need + need / 4));
-                return false;
-            }
-            d->size = ggml_backend_buffer_get_size(d->buf);
+        if (!grow_buffer(ctx, d, need)) {
+            ggml_free(g);
+            return false;
         }
         char * at = (char *)ggml_backend_buffer_get_base(d->buf);
         for (int i = 0; i < 4; i++) {
