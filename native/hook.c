@@ -600,7 +600,6 @@ static void add_out_of_memory(bitsplit_ctx * ctx, struct ggml_tensor * t, const 
                     host(t) ? "" : " (the node in a device buffer keeps the base's product)");
 }
 
-/* ask == false for an observed node: add R . x (the node holds W2 . x, possibly on a device) */
 /* compensation (bitsplit_ctx_set_compensation) of one product t = W2 . x computed in add mode: the
  * device's W2 . (x - round(x)) added to d (n_cols x N, on the host); false after recording an error */
 static bool compensate_one(bitsplit_ctx * ctx, const struct ggml_tensor * t, const float * xs, int64_t n_cols,
@@ -658,6 +657,7 @@ static void compensate_exact(bitsplit_ctx * ctx, struct ggml_tensor * t, const b
     }
 }
 
+/* ask == false for an observed node: add R . x (the node holds W2 . x, possibly on a device) */
 static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     const bs_entry * e = entry_for(ctx, t);
     if (e != NULL && e->exact && ctx->compensate != BITSPLIT_NUMERICS_HOST && t->op == GGML_OP_MUL_MAT) {
