@@ -406,3 +406,36 @@ def test_text_nodes_fill_what_the_tree_leaves_of_a_pass(tiny_split):
             assert g.shape.nodes == nodes and g.shape.text == want
             if nodes == 256:
                 assert g.generate(REPEATING[0], max_tokens=4).tokens
+
+
+def test_drafter_and_text_nodes_share_one_budget(tiny_split):
+    """Every node is valued by the measured chance the verifier takes it: with the drafter's candidates
+    measured worthless and the text measured sure, a text branch runs past the text's own budget into
+    the drafter's; the other way round the drafter keeps its nodes and the text gets the rest. The
+    tree never holds more than nodes + text."""
+    from bitsplit_llama.speculative.calibration import EDGES
+    from bitsplit_llama.speculative.tree import DRAFTER as D, TEXT as T, DraftTree
+
+    def calibrate(e, hit: bool) -> None:
+        for q in [0.0] + list(EDGES):
+            t = DraftTree(0)
+            t.add(1, -1, 0.0, D, min(q + 1e-3, 1.0))
+            for _ in range(1500):
+                e.calibration.record(t, [0] if hit else [])
+
+    prompt, root = REPEATING[0], PROMPTS[2][6]  # the root continues the prompt's repeat
+    with Generator(tiny_split, n_ctx=256, tree_nodes=4, text_nodes=4) as g:
+        e = g.engine
+        e.text_min_p = lambda: 1e-3
+        counts = {}
+        for drafter_sure in (False, True):
+            calibrate(e, drafter_sure)
+            e.lookup._acc = [[0.5, 2.0] if drafter_sure else [1.98, 2.0] for _ in e.lookup._acc]
+            e.prefill(prompt, Stats())
+            tree, branches = e._draft(root, SamplingParams(), 4, Stats())
+            e.reset()
+            assert branches and 0 < len(tree) <= 8
+            counts[drafter_sure] = (sum(1 for n in tree.nodes if n.source & T),
+                                    sum(1 for n in tree.nodes if n.source & D))
+        assert counts[False][0] > 4   # the text took the drafter's share of the budget
+        assert counts[True][1] == 4   # the drafter's 4 nodes stayed

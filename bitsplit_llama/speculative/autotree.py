@@ -263,7 +263,9 @@ def expected(shape: TreeShape, prof: Profile,
     if priced_from_paths(shape, prof):
         return _chain_from_paths(shape.nodes, prof, prefer, stop)
     lp = [math.log(max(p, 1e-9)) for p in prof.rank_probs]
-    b = TreeBuilder(0, shape.width, shape.nodes + shape.width * 2)
+    # grown as the engine grows trees: every round in full until nothing more can be among the best
+    # ``nodes`` (TreeBuilder.settled), then the best ``nodes`` kept
+    b = TreeBuilder(0, shape.width, max(shape.nodes, shape.width * shape.rounds))
     cost = prof.draft(1)  # the root
     frontier = [ROOT]
     next_id = 1
@@ -272,7 +274,7 @@ def expected(shape: TreeShape, prof: Profile,
             b.offer(node, range(next_id, next_id + len(lp)), lp)
             next_id += len(lp)
         added = b.next_round()
-        if not added or rnd == shape.rounds - 1 or len(b.tree) >= shape.nodes + shape.width:
+        if not added or rnd == shape.rounds - 1 or b.settled(shape.nodes, added):
             break
         cost += prof.draft(len(added))
         frontier = added

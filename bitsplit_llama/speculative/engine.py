@@ -6,7 +6,10 @@ the next tree). One cycle:
 
 1. draft: the :class:`Drafter` decodes ``id_last`` and then, round by round, the best candidates of
    a best-first tree (:class:`~bitsplit_llama.speculative.tree.TreeBuilder`), each node in its own
-   lane (sequence id) so that attention follows the tree. The default, :class:`SharedKVDrafter`, is
+   lane (sequence id) so that attention follows the tree; its nodes are valued by the measured chance
+   that the verifier takes such a candidate (:mod:`.calibration`), rounds go on until no new node
+   can be among the best, and text branches (:mod:`.lookup`) share the budget on the same scale.
+   The default, :class:`SharedKVDrafter`, is
    the verifier's own context with the residual off: it reads the verifier's cache for the prefix,
    nothing is copied. :class:`SeparateKVDrafter` keeps a cache of its own (stock llama.cpp's
    arrangement, for measurements).
@@ -33,6 +36,7 @@ import numpy as np
 
 from ..errors import ContextLimitError, InvalidOptionError
 from ..runtime.llamacpp import Context
+from .calibration import DraftCalibration
 from .lookup import Branch, TextLookup
 from .sampling import SamplingParams, draft_candidates, draw
 from .tree import DRAFTER, ROOT, TEXT, DraftTree, TreeBuilder, accept
@@ -74,9 +78,9 @@ class TreeShape:
     def for_nodes(cls, nodes: int) -> "TreeShape":
         """A sensible shape for a node budget: a chain up to 4 nodes, then wider and deeper; from 25
         nodes on, a width of nodes / 16 (at least 4) and the rounds that draft 1.5 candidates per
-        verified node (at most 32): the tree can grow about 16 deep, where a wider one would stop
-        sooner (drafting ends once the tree holds nodes + width). 64 nodes: 24 rounds of 4; 256: 24
-        of 16."""
+        verified node (at most 32): a chain the verifier follows can grow that deep, and drafting
+        ends sooner once no new node can be among the ``nodes`` best (``TreeBuilder.settled``).
+        64 nodes: 24 rounds of 4; 256: 24 of 16."""
         if nodes < 0:
             raise InvalidOptionError(f"--tree-nodes: {nodes} is negative")
         if nodes > MAX_TREE_NODES:
@@ -265,6 +269,9 @@ class Engine:
         self.tokens: list[int] = []     # tokens in the verifier's KV, positions 0..n_past-1
         # the n-gram index of those tokens, for draft branches from the text (kept in step with them)
         self.lookup = TextLookup()
+        # how often the verifier took the drafter's candidates, per drafter probability: the values
+        # trees are grown and pruned by (kept across generations, as the text's acceptance is)
+        self.calibration = DraftCalibration()
         # when a list, counts of the verifier's token rank among the drafter's candidates at each
         # verified node (index CANDIDATES_PER_NODE: not among them): the acceptance profile
         self.rank_counts: list[int] | None = None
@@ -431,17 +438,22 @@ class Engine:
     def _draft(self, id_last: int, sp: SamplingParams, nodes: int, stats: Stats,
                depth: int | None = None) -> tuple[DraftTree, list[Branch]]:
         """A draft tree under ``id_last``: up to ``nodes`` nodes from the drafter, at most ``depth``
-        deep (default: the shape's rounds; the draft KV is rolled back), and up to the shape's
-        ``text`` nodes more from the text's own continuations (at most ``depth`` deep), with those
-        branches (their acceptance is recorded after the verify pass). Text branches hang under the
-        root and under each node of the drafter's most probable chain (where the drafter wrote what
-        the text did not say, as a renamed variable, and the text goes on after it); the likeliest
-        first, by path probability, until the text's budget is spent."""
+        deep (default: the shape's rounds; the draft KV is rolled back), and with a text budget (the
+        shape's ``text`` > 0) the text's own continuations, with those branches (their acceptance is
+        recorded after the verify pass). Text branches hang under the root and under each node of
+        the drafter's most probable chain (where the drafter wrote what the text did not say, as a
+        renamed variable, and the text goes on after it), the likeliest first. Both kinds share one
+        budget of ``nodes`` + ``text`` nodes: every node is valued by the measured chance that the
+        verifier reaches and takes it (the drafter's candidates through :attr:`calibration`, the
+        text's through its match lengths), and the tree keeps the likeliest nodes of both. So a long
+        match (an edited function written out again) may run as deep as the whole budget where the
+        drafter's unsure siblings are worth less, and with nothing to copy the drafter's nodes stay."""
         tree = self._draft_model(id_last, sp, nodes, stats, depth) if nodes > 0 else DraftTree(id_last)
         branches: list[Branch] = []
         if self.shape.text > 0:
             self.lookup.min_p = self.text_min_p()
-            limit = self.shape.text if depth is None else min(self.shape.text, depth)
+            total = self.shape.nodes + self.shape.text
+            limit = total if depth is None else min(total, depth)
             offers = [(ROOT, 0.0, b) for b in self.lookup.branches(id_last, limit)]
             path: list[int] = []
             for node in self._main_chain(tree):
@@ -449,12 +461,14 @@ class Engine:
                 path.append(nd.token)
                 if nd.depth < limit:
                     offers += [(node, nd.logp, b) for b in self.lookup.branches(id_last, limit - nd.depth, path)[:1]]
-            budget = self.shape.text
+            budget = total
             for under, base, b in sorted(offers, key=lambda o: -(o[1] + o[2].logps[0])):
                 if budget <= 0:
                     break
                 budget -= tree.graft(b.tokens, [base + lp for lp in b.logps], TEXT, budget, under)
                 branches.append(b)
+            if len(tree) > total:
+                tree = tree.best(total)
         return tree.dfs(), branches
 
     @staticmethod
@@ -474,7 +488,11 @@ class Engine:
         (default: the shape's rounds); the draft KV is rolled back."""
         shape = self.shape
         rounds = shape.rounds if depth is None else max(1, min(shape.rounds, depth))
-        builder = TreeBuilder(id_last, shape.width, max(nodes, 0) + shape.width * 2)
+        # the builder may draft every round in full (rounds x width nodes, the cells a cycle reserves);
+        # drafting stops once nothing more can be among the best ``nodes`` (TreeBuilder.settled), and
+        # the best ``nodes`` by value are kept: where the verifier follows the drafter the tree is as
+        # deep as its rounds, where it does not, as wide as its width
+        builder = TreeBuilder(id_last, shape.width, max(max(nodes, 0), shape.width * rounds), self.calibration.logp)
         t0 = time.perf_counter()
         lane_of: dict[int, int] = {ROOT: 0}
         first_child_taken: set[int] = set()
@@ -491,7 +509,7 @@ class Engine:
                     ids, lps = draft_candidates(ctx.logits_ith(row_of[node]), sp, CANDIDATES_PER_NODE)
                     builder.offer(node, ids, lps)
                 added = builder.next_round()
-                if not added or rnd == rounds - 1 or len(builder.tree) >= nodes + shape.width:
+                if not added or rnd == rounds - 1 or builder.settled(nodes, added):
                     break
                 # early stop: decoding these nodes yields their children, which can add at most
                 # the nodes' own path probability (the drafter's) in expected accepted tokens; a
@@ -603,6 +621,7 @@ class Engine:
             self._pass_times.append((rows, td))
             accepted, bonus, emitted = accept(tree, lambda row: self._draw_row(tree, ctx, row, sp, rng))
         self._count_residual(c0, stats)
+        self.calibration.record(tree, accepted)
         if self.rank_counts is not None:
             self.chain_paths.append(chain_record(tree, accepted, bonus))
         # Keep the root and the accepted path (verifier-written) in sequence 0. A rejected row after

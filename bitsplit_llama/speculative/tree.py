@@ -1,7 +1,9 @@
 """Draft trees and the acceptance rule: pure Python, testable without a model.
 
 A draft tree hangs under a *root*: the last emitted token, not yet in the KV cache. Each node is a
-drafted token with its parent, depth (root = 0) and cumulative draft log-probability. The engine
+drafted token with its parent, depth (root = 0) and cumulative log-value: the log of the chance the
+verifier reaches and takes it, as estimated (by the drafter's own probabilities, or by the
+acceptance the engine measured for such candidates: :mod:`.calibration`, :mod:`.lookup`). The engine
 grows it best-first with the drafter (:class:`TreeBuilder`), prunes it to the verification budget
 (:meth:`DraftTree.best`), lays it out for one batched verifier pass (:meth:`DraftTree.layout`), and
 walks it with the verifier's distributions (:func:`accept`).
@@ -33,9 +35,10 @@ class Node:
     token: int
     parent: int          # index of the parent node, ROOT for children of the root
     depth: int           # 1 for children of the root
-    logp: float          # cumulative draft log-probability from the root
+    logp: float          # cumulative log-value from the root (non-increasing from parent to child)
     children: list[int] = field(default_factory=list)
     source: int = DRAFTER  # DRAFTER, TEXT or both (bits)
+    q: float = 0.0         # the drafter's probability of the token given the parent (0: not its candidate)
 
 
 class DraftTree:
@@ -53,14 +56,14 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def add(self, token: int, parent: int, logp: float, source: int = DRAFTER) -> int:
+    def add(self, token: int, parent: int, logp: float, source: int = DRAFTER, q: float = 0.0) -> int:
         if parent != ROOT and not 0 <= parent < len(self.nodes):
             raise IndexError(f"parent {parent} not in the tree")
         depth = 1 if parent == ROOT else self.nodes[parent].depth + 1
         siblings = self.root_children if parent == ROOT else self.nodes[parent].children
         if any(self.nodes[s].token == token for s in siblings):
             raise ValueError(f"token {token} is already a child of node {parent}")
-        self.nodes.append(Node(token, parent, depth, logp, source=source))
+        self.nodes.append(Node(token, parent, depth, logp, source=source, q=q))
         i = len(self.nodes) - 1
         siblings.append(i)
         return i
@@ -103,7 +106,7 @@ class DraftTree:
             n = self.nodes[i]
             if n.parent not in remap:
                 continue  # cannot happen with non-increasing logp; defensive for hand-made trees
-            remap[i] = out.add(n.token, remap[n.parent], n.logp, n.source)
+            remap[i] = out.add(n.token, remap[n.parent], n.logp, n.source, n.q)
         self._carry_drafter_info(out, remap)
         return out
 
@@ -157,7 +160,7 @@ class DraftTree:
 
         def visit(i: int, parent: int) -> None:
             n = self.nodes[i]
-            j = remap[i] = out.add(n.token, parent, n.logp, n.source)
+            j = remap[i] = out.add(n.token, parent, n.logp, n.source, n.q)
             for c in sorted(n.children, key=lambda c: (-self.nodes[c].logp, c)):
                 visit(c, j)
 
@@ -216,6 +219,7 @@ class _Cand:
     seq: int
     token: int
     parent: int
+    q: float
 
     def __lt__(self, other: "_Cand") -> bool:
         return (self.neg_logp, self.seq) < (other.neg_logp, other.seq)
@@ -226,10 +230,15 @@ class TreeBuilder:
 
     ``offer(node, tokens, logps)`` registers a decoded node's best children (log-probabilities of
     the drafter's processed distribution); ``next_round()`` moves the ``width`` best candidates of
-    the whole pool into the tree and returns them (they are the next drafter batch).
+    the whole pool into the tree and returns them (they are the next drafter batch). With
+    ``calibrate`` (a drafter log-probability -> the log of the measured chance the verifier takes
+    such a candidate: :class:`~bitsplit_llama.speculative.calibration.DraftCalibration`), a node's
+    value is the sum of the calibrated terms along its path instead of the drafter's own; each node
+    keeps the drafter's probability in ``q`` either way.
     """
 
-    def __init__(self, root_token: int, width: int, max_nodes: int):
+    def __init__(self, root_token: int, width: int, max_nodes: int,
+                 calibrate: Callable[[float], float] | None = None):
         if width < 1 or max_nodes < 0:
             raise ValueError("width must be >= 1 and max_nodes >= 0")
         self.tree = DraftTree(root_token)
@@ -237,6 +246,7 @@ class TreeBuilder:
         self.max_nodes = max_nodes
         self._pool: list[_Cand] = []
         self._seq = 0
+        self.calibrate = calibrate
 
     def offer(self, node: int, tokens: Sequence[int], logps: Sequence[float]) -> None:
         base = 0.0 if node == ROOT else self.tree.nodes[node].logp
@@ -245,11 +255,25 @@ class TreeBuilder:
             self.tree.top_lp[node] = float(logps[0])
         for t, lp in zip(tokens, logps):
             self._seq += 1
-            heapq.heappush(self._pool, _Cand(-(base + float(lp)), self._seq, int(t), node))
+            v = float(lp) if self.calibrate is None else self.calibrate(float(lp))
+            heapq.heappush(self._pool, _Cand(-(base + v), self._seq, int(t), node, math.exp(float(lp))))
+
+    def settled(self, k: int, frontier: Sequence[int]) -> bool:
+        """Whether no node drafted from here on can be among the ``k`` best: the tree holds ``k``
+        nodes already and neither the pool's best candidate nor a child of an undecoded ``frontier``
+        node (its value is at most its parent's) is worth more than the ``k``-th best node."""
+        if len(self.tree) < k or k <= 0:
+            return len(self.tree) >= k
+        kth = heapq.nlargest(k, (n.logp for n in self.tree.nodes))[-1]
+        values = [self.tree.nodes[i].logp for i in frontier]
+        if self._pool:
+            values.append(-self._pool[0].neg_logp)
+        best = max(values, default=-math.inf)
+        return best <= kth
 
     def next_round(self) -> list[int]:
         added: list[int] = []
         while self._pool and len(added) < self.width and len(self.tree) < self.max_nodes:
             c = heapq.heappop(self._pool)
-            added.append(self.tree.add(c.token, c.parent, -c.neg_logp))
+            added.append(self.tree.add(c.token, c.parent, -c.neg_logp, DRAFTER, c.q))
         return added
