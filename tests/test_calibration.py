@@ -102,3 +102,22 @@ def test_shares_stay_probabilities(qs, hits):
         c.record(_tree(max(q, 1e-6)), [0] if h else [])
     for q in np.linspace(0, 1, 23):
         assert 0.0 < c.share(q) <= MAX_SHARE and c.logp(math.log(max(q, 1e-9))) <= 0.0
+
+
+def test_a_rounds_gain_counts_what_its_children_would_push_out():
+    b = TreeBuilder(0, width=2, max_nodes=10)
+    b.offer(ROOT, [1, 2, 3], [math.log(0.6), math.log(0.3), math.log(0.1)])
+    a, x = b.next_round()                                 # 0.6, 0.3
+    assert b.round_gain(4, [a, x]) == pytest.approx(0.9)  # the tree is not full: the values themselves
+    assert b.round_gain(2, [a, x]) == pytest.approx(0.3)  # full: 0.6 and 0.3 over the 2nd best (0.3)
+    assert b.round_gain(1, [a, x]) == pytest.approx(0.0)  # nothing can beat the best (0.6)
+
+
+def test_drain_takes_the_known_candidates_that_beat_the_kth():
+    b = TreeBuilder(0, width=1, max_nodes=10)
+    b.offer(ROOT, [1, 2, 3], [math.log(0.5), math.log(0.3), math.log(0.2)])
+    b.next_round()                                        # 0.5; the pool keeps 0.3 and 0.2
+    assert b.drain(2) == 1 and len(b.tree) == 2           # 0.3 fills the 2 best; 0.2 beats nothing
+    assert sorted(n.token for n in b.tree.nodes) == [1, 2]
+    assert b.drain(2) == 0
+    assert b.drain(3) == 1 and len(b.tree) == 3

@@ -278,6 +278,7 @@ def expected(shape: TreeShape, prof: Profile,
             break
         cost += prof.draft(len(added))
         frontier = added
+    b.drain(shape.nodes)
     tree = b.tree.best(shape.nodes)
     tokens = 1.0 + sum(math.exp(n.logp) for n in tree.nodes)
     cost += prof.verify(1 + len(tree), prefer)

@@ -512,10 +512,11 @@ class Engine:
                 if not added or rnd == rounds - 1 or builder.settled(nodes, added):
                     break
                 # early stop: decoding these nodes yields their children, which can add at most
-                # the nodes' own path probability (the drafter's) in expected accepted tokens; a
-                # round costs stop_mass tokens' worth of time. They stay in the tree as leaves.
+                # what the nodes are worth beyond the nodes they would push out of the best ``nodes``
+                # (TreeBuilder.round_gain) in expected accepted tokens; a round costs stop_mass
+                # tokens' worth of time. They stay in the tree as leaves.
                 stop_mass = self.stop_mass()
-                if stop_mass > 0 and sum(math.exp(builder.tree.nodes[i].logp) for i in added) < stop_mass:
+                if stop_mass > 0 and builder.round_gain(nodes, added) < stop_mass:
                     stats.n_early_stops += 1
                     break
                 # lanes: a first child continues its parent's lane, others get a copy of it; past the
@@ -541,6 +542,8 @@ class Engine:
                 stats.n_draft_passes += 1
                 row_of = {i: r for r, i in enumerate(added)}
                 frontier = added
+            # candidates known but not taken by the last round need no pass: in, where they are worth it
+            builder.drain(nodes)
             # roll back every drafted entry: the verifier writes its own
             ctx.seq_rm(0, self.n_past, -1)
             for lane in range(1, next_lane):

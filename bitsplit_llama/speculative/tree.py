@@ -264,12 +264,38 @@ class TreeBuilder:
         node (its value is at most its parent's) is worth more than the ``k``-th best node."""
         if len(self.tree) < k or k <= 0:
             return len(self.tree) >= k
-        kth = heapq.nlargest(k, (n.logp for n in self.tree.nodes))[-1]
+        kth = self._kth(k)
         values = [self.tree.nodes[i].logp for i in frontier]
         if self._pool:
             values.append(-self._pool[0].neg_logp)
         best = max(values, default=-math.inf)
         return best <= kth
+
+    def _kth(self, k: int) -> float:
+        """The ``k``-th best node's value (log), -inf while the tree has fewer than ``k`` nodes."""
+        if k <= 0 or len(self.tree) < k:
+            return -math.inf
+        return heapq.nlargest(k, (n.logp for n in self.tree.nodes))[-1]
+
+    def round_gain(self, k: int, frontier: Sequence[int]) -> float:
+        """At most what decoding ``frontier`` (the nodes the last round added) can add to the
+        expected accepted tokens of the ``k`` best nodes: its children are worth at most their parent
+        together, and each one that enters the best ``k`` pushes out a node worth at least the
+        ``k``-th best. So: the sum over the frontier of what its value exceeds the ``k``-th best by
+        (the whole value while the tree has fewer than ``k`` nodes)."""
+        kth = math.exp(self._kth(k))
+        return sum(max(0.0, math.exp(self.tree.nodes[i].logp) - kth) for i in frontier)
+
+    def drain(self, k: int) -> int:
+        """After the last round: move the pool's candidates into the tree while one is worth more
+        than the ``k``-th best node, or the tree has fewer than ``k`` (a candidate already known needs
+        no drafter pass). Returns how many were moved."""
+        moved = 0
+        while self._pool and (len(self.tree) < k or -self._pool[0].neg_logp > self._kth(k)):
+            c = heapq.heappop(self._pool)
+            self.tree.add(c.token, c.parent, -c.neg_logp, DRAFTER, c.q)
+            moved += 1
+        return moved
 
     def next_round(self) -> list[int]:
         added: list[int] = []
