@@ -36,17 +36,15 @@ MAX_SHARE = 0.995
 MIN_SHARE = 1e-4
 
 
-def _mids() -> list[float]:
-    lo = (0.0,) + EDGES
-    hi = EDGES + (1.0,)
-    return [(a + b) / 2 for a, b in zip(lo, hi)]
+# each bucket's (low, high) drafter probability
+BOUNDS = tuple(zip((0.0,) + EDGES, EDGES + (1.0,)))
 
 
 class DraftCalibration:
     """The verifier's acceptance of drafter candidates per bucket of their drafter probability."""
 
     def __init__(self) -> None:
-        self._acc = [[m * PRIOR_WEIGHT, PRIOR_WEIGHT] for m in _mids()]
+        self._acc = [[(lo + hi) / 2 * PRIOR_WEIGHT, PRIOR_WEIGHT] for lo, hi in BOUNDS]
 
     @staticmethod
     def bucket(q: float) -> int:
@@ -78,7 +76,5 @@ class DraftCalibration:
 
     def table(self) -> list[dict]:
         """Per bucket: its drafter-probability range, the measured share, and the weight behind it."""
-        lo = (0.0,) + EDGES
-        hi = EDGES + (1.0,)
-        return [{"draft_p": [a, b], "share": round(h / t, 4), "weight": round(t, 1)}
-                for a, b, (h, t) in zip(lo, hi, self._acc)]
+        return [{"draft_p": [lo, hi], "share": round(h / t, 4), "weight": round(t, 1)}
+                for (lo, hi), (h, t) in zip(BOUNDS, self._acc)]
