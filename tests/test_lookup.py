@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bitsplit_llama.speculative.lookup import MAX_MATCH, TextLookup, match_class
+from bitsplit_llama.speculative.lookup import MAX_MATCH, Branch, TextLookup, match_class
 from bitsplit_llama.speculative.tree import DRAFTER, ROOT, TEXT, DraftTree, accept
 
 
@@ -100,3 +100,78 @@ def test_a_text_branch_grafts_onto_the_drafter_tree():
     toks = iter([10, 12, 7])
     accepted, bonus, emitted = accept(best, lambda row: next(toks))
     assert emitted == [10, 12, 7] and bonus == 7 and len(accepted) == 2
+
+
+# -- edits that rename ------------------------------------------------------------------------------
+# a passage (distinct tokens) where OLD stands three times; the text writes it again with NEW
+OLD, NEW = 50, (60, 61)
+PASSAGE = [70, 71, 72, 1, 2, 3, OLD, 4, 5, 6, 7, 8, 9, OLD, 10, 11, 12, 13, 14, 15, 16, 17, OLD, 18, 19, 20, 21]
+
+
+def _renamed(tokens: list[int]) -> list[int]:
+    out: list[int] = []
+    for t in tokens:
+        out += list(NEW) if t == OLD else [t]
+    return out
+
+
+def test_a_rename_is_learnt_and_written_where_the_old_name_stood():
+    lk = TextLookup(min_p=1e-6)
+    lk.extend(PASSAGE + [99, 98])
+    text = _renamed(PASSAGE[:13])  # ... 3, NEW, 4, ..., 9: in step again for 6 tokens
+    lk.extend(text[:-1])
+    (b, *_) = lk.branches(text[-1], max_len=12)
+    assert lk.subs == {(OLD,): [NEW, 0, 0]}
+    # the continuation carries the new name where the passage had the old one, and says where
+    assert b.tokens[:3] == list(NEW) + [10] and b.subs[0] == (0, 2, (OLD,))
+    # after the next renamed occurrence the match runs on through it (the new name read as the old)
+    lk.extend([text[-1]] + _renamed(PASSAGE[13:16]))
+    (b2, *_) = lk.branches(PASSAGE[16], max_len=12)
+    assert b2.match > 10 and b2.tokens[:7] == [13, 14, 15, 16, 17] + list(NEW)
+    # taken: counted for it
+    lk.record(b2, b2.tokens + [0])
+    assert lk.subs[(OLD,)][1:] == [1, 0]
+
+
+def test_a_refused_substitution_is_forgotten_and_not_learnt_again():
+    lk = TextLookup(min_p=1e-6)
+    lk.extend(PASSAGE + [99, 98])
+    text = _renamed(PASSAGE[:13])
+    lk.extend(text[:-1])
+    (b, *_) = lk.branches(text[-1], max_len=12)
+    assert b.subs
+    lk.record(b, [OLD])  # the verifier kept the old name after all: refused at the new one
+    assert lk.subs == {}
+    lk.branches(text[-1], max_len=12)
+    assert lk.subs == {}
+
+
+def test_text_in_step_with_a_passage_teaches_nothing():
+    """Two lines that differ in one name, copied as they stand: the text is in step with the passage
+    it copies, not with the similar line, so no substitution is learnt."""
+    line_a = [80, 81, 82, 83, 40, 84, 85, 86, 87, 88, 89]
+    line_b = [80, 81, 82, 83, 41, 84, 85, 86, 87, 88, 89]
+    src = [1, 2, 3, 4] + line_a + [5, 6] + line_b + [7, 8]
+    lk = TextLookup(min_p=1e-6)
+    lk.extend(src + [99])
+    copy = src[:-2]
+    lk.extend(copy[:-1])
+    lk.branches(copy[-1], max_len=8)
+    assert lk.subs == {}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 100), st.integers(0, 12), st.booleans()), max_size=40))
+def test_shares_never_fall_with_the_match_length(records):
+    """Whatever the verifier took or refused, a longer match is valued at least as a shorter one;
+    where the running shares already rise they are the shares themselves."""
+    lk = TextLookup(max_ngram=1, min_p=1e-6)
+    for match, n, taken in records:
+        toks = list(range(1, n + 2))
+        lk.record(Branch(toks, match, [0.0] * len(toks)), toks + [0] if taken else [0])
+        shares = lk.shares()
+        assert all(a <= b + 1e-12 for a, b in zip(shares, shares[1:]))
+        raw = [h / t for h, t in lk._acc]
+        if all(a <= b for a, b in zip(raw, raw[1:])):
+            assert shares == pytest.approx(raw)
+        assert all(lk.p(m) == shares[match_class(m)] for m in (1, 5, 40, 100))

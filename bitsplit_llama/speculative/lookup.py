@@ -18,6 +18,15 @@ its first): the longer a match, the likelier it goes on as it did (an edited fun
 again holds for dozens of tokens, a word that recurs in prose for one or two). Their product is a
 token's path probability; the tree keeps the tokens whose path probability is at least ``min_p``,
 up to the shape's text budget.
+
+Edits that rename. When the text the model writes follows an earlier passage with one short span
+changed (a variable renamed: ``totals`` written ``spent_by_customer``) and then goes on as that
+passage did, the change is learnt as a substitution (at most ``MAX_SUB_OLD`` tokens replaced by at
+most ``MAX_SUB_NEW``, with ``SUB_CONTEXT`` tokens equal on each side). From then on a continuation
+copied from the text carries the new span wherever the old one stood, and the text's end is matched
+with the new spans read as the old ones, so the match runs on through each renamed occurrence
+instead of starting over after it. A substitution the verifier refuses more often than it takes is
+forgotten. Like every draft, these only change how many tokens a pass accepts, never which.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from typing import Sequence
 
 # The acceptance before any measurement, as (hits, tries), per class of match length (1, 2-3, 4-7,
 # 8-15, 16-31, 32-63, 64+ tokens): guesses the first verify passes correct
-PRIOR = ((0.6, 2.0), (1.0, 2.0), (1.4, 2.0), (1.6, 2.0), (1.7, 2.0), (1.8, 2.0), (1.8, 2.0))
+PRIOR = ((0.6, 2.0), (1.0, 2.0), (1.4, 2.0), (1.7, 2.0), (1.84, 2.0), (1.92, 2.0), (1.94, 2.0))
 CLASSES = len(PRIOR)
 # The longest match counted at the root (deeper tokens count on from it)
 MAX_MATCH = 64
@@ -36,6 +45,12 @@ MAX_MATCH = 64
 DECAY = 0.98
 # The most earlier occurrences of an n-gram looked at, the latest first
 SCAN = 16
+# Substitutions (edits that rename): the longest old and new spans, the tokens that must be equal
+# before and after them, and how many are kept (the latest)
+MAX_SUB_OLD = 8
+MAX_SUB_NEW = 16
+SUB_CONTEXT = 3
+MAX_SUBS = 8
 
 
 def match_class(length: int) -> int:
@@ -49,6 +64,8 @@ class Branch:
     match: int          # the length of the match it follows (the more tokens matched, the likelier)
     logps: list[float]  # the path log-probability of each token (from where it hangs)
     after: tuple[int, ...] = ()  # the drafted tokens it hangs under (none: under the root)
+    # the spans of ``tokens`` written by a substitution: (first, end, its old span)
+    subs: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 class TextLookup:
@@ -67,11 +84,16 @@ class TextLookup:
         self._index: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_ngram + 1)]
         # (hits, tries) per match class
         self._acc = [list(c) for c in PRIOR]
+        # substitutions learnt from the text: old span -> [new span, taken, refused], oldest first
+        self.subs: dict[tuple[int, ...], list] = {}
+        self._refused: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # forgotten: not learnt again
 
     # -- the text ----------------------------------------------------------------------------------
     def reset(self) -> None:
         self.tokens = []
         self._index = [{} for _ in range(self.max_ngram + 1)]
+        self.subs = {}
+        self._refused = set()
 
     def extend(self, tokens: Sequence[int]) -> None:
         for t in tokens:
@@ -96,9 +118,28 @@ class TextLookup:
     # -- acceptance --------------------------------------------------------------------------------
     def p(self, match: int) -> float:
         """The measured chance that the verifier takes a branch token that continues a match of
-        ``match`` tokens, once it took the ones before it in the branch."""
-        h, t = self._acc[match_class(match)]
-        return h / t
+        ``match`` tokens, once it took the ones before it in the branch: the running shares per
+        class made non-decreasing in the match's length (pooled where a longer class measured less
+        than a shorter one, each weighted by its tries), as a longer match goes on at least as
+        often. So one cycle's refusals in a class that is rarely tried (several branches of one
+        tree refused at an edit) cannot hold its share under the shorter classes' for good."""
+        return self.shares()[match_class(match)]
+
+    def shares(self) -> list[float]:
+        """The acceptance per match class, non-decreasing (pool-adjacent-violators over the
+        running (hits, tries))."""
+        blocks: list[list[float]] = []  # [hits, tries, classes]
+        for h, t in self._acc:
+            blocks.append([h, t, 1])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                h2, t2, n2 = blocks.pop()
+                blocks[-1][0] += h2
+                blocks[-1][1] += t2
+                blocks[-1][2] += n2
+        out: list[float] = []
+        for h, t, n in blocks:
+            out += [h / t] * int(n)
+        return out
 
     def record(self, branch: Branch, emitted: Sequence[int]) -> None:
         """Fold one verified branch into the acceptance: for each token the verifier reached (those
@@ -118,6 +159,17 @@ class TextLookup:
             cell = self._acc[match_class(branch.match + d - 1)]
             cell[0] = DECAY * cell[0] + (1.0 if d <= m else 0.0)
             cell[1] = DECAY * cell[1] + 1.0
+        for first, end, old in branch.subs:
+            sub = self.subs.get(old)
+            if sub is None or first >= reached:
+                continue  # forgotten since, or not reached
+            if m >= min(end, len(branch.tokens)):
+                sub[1] += 1
+            else:
+                sub[2] += 1
+                if sub[2] > sub[1]:
+                    del self.subs[old]
+                    self._refused.add((old, tuple(sub[0])))
 
     # -- branches ----------------------------------------------------------------------------------
     def branches(self, last: int, max_len: int, after: Sequence[int] = ()) -> list[Branch]:
@@ -131,30 +183,117 @@ class TextLookup:
             return []
         hist = self.tokens
         full = hist + [int(last)] + [int(t) for t in after]
+        if not after:
+            self._learn(full)
         starts: dict[int, int] = {}  # continuation start -> match length
-        for n in range(min(self.max_ngram, len(full)), 0, -1):
-            for start in reversed(self._index[n].get(tuple(full[len(full) - n:]), ())[-SCAN:]):
-                if start in starts:
-                    continue
-                # count the match in full: back from the n-gram, while the tokens before the earlier
-                # occurrence equal those before the text's end
-                m = n
-                while m < MAX_MATCH and start - m - 1 >= 0 and hist[start - m - 1] == full[len(full) - m - 1]:
-                    m += 1
-                starts[start] = m
+        self._match(full, starts)
+        view = self._as_before(full)
+        if view is not None:  # the end read with the new spans as the old ones
+            self._match(view, starts)
         out: list[Branch] = []
         firsts: set[int] = set()
         for start, m in sorted(starts.items(), key=lambda kv: (-kv[1], -kv[0])):
             logps = self._path_logps(m, max_len)
-            # the continuation: cached text from `start` on, and the root itself where it reaches it
-            cont = full[start:start + len(logps)]
+            # the continuation: cached text from `start` on (the new span for each old one), and the
+            # root itself where it reaches it
+            cont, subs = self._continuation(full, start, len(logps))
             if not cont or cont[0] in firsts:
                 continue
             firsts.add(cont[0])
-            out.append(Branch(cont, m, logps[:len(cont)], tuple(int(t) for t in after)))
+            out.append(Branch(cont, m, logps[:len(cont)], tuple(int(t) for t in after), subs))
             if len(out) >= self.max_branches:
                 break
         return out
+
+    def _match(self, end: list[int], starts: dict[int, int]) -> None:
+        """Into ``starts``: the earlier occurrences of the last 1 to ``max_ngram`` tokens of ``end``
+        (the latest ``SCAN`` of each), each with its match counted in full (up to ``MAX_MATCH``)."""
+        hist = self.tokens
+        for n in range(min(self.max_ngram, len(end)), 0, -1):
+            for start in reversed(self._index[n].get(tuple(end[len(end) - n:]), ())[-SCAN:]):
+                # count the match in full: back from the n-gram, while the tokens before the earlier
+                # occurrence equal those before the text's end
+                m = n
+                while m < MAX_MATCH and start - m - 1 >= 0 and hist[start - m - 1] == end[len(end) - m - 1]:
+                    m += 1
+                if m > starts.get(start, 0):
+                    starts[start] = m
+
+    def _continuation(self, full: list[int], start: int, n: int) -> tuple[list[int], tuple]:
+        """Up to ``n`` tokens of ``full`` from ``start`` on, each old span of a substitution written
+        as its new one; and the spans so written."""
+        out: list[int] = []
+        spans = []
+        i = start
+        while len(out) < n and i < len(full):
+            for old, (new, _, _) in self.subs.items():
+                if full[i] == old[0] and tuple(full[i:i + len(old)]) == old:
+                    spans.append((len(out), len(out) + len(new), old))
+                    out.extend(new)
+                    i += len(old)
+                    break
+            else:
+                out.append(full[i])
+                i += 1
+        return out[:n], tuple(spans)
+
+    def _as_before(self, full: list[int]) -> list[int] | None:
+        """The text's end (its last ``MAX_MATCH`` + a few tokens) with each new span of a
+        substitution read as its old one; None where there is none."""
+        if not self.subs:
+            return None
+        tail = full[-(MAX_MATCH + 2 * MAX_SUB_NEW):]
+        news = sorted(((tuple(v[0]), old) for old, v in self.subs.items()), key=lambda x: -len(x[0]))
+        out: list[int] = []
+        i, changed = 0, False
+        while i < len(tail):
+            for new, old in news:
+                if tail[i] == new[0] and tuple(tail[i:i + len(new)]) == new:
+                    out.extend(old)
+                    i += len(new)
+                    changed = True
+                    break
+            else:
+                out.append(tail[i])
+                i += 1
+        return out if changed else None
+
+    def _learn(self, full: list[int]) -> None:
+        """Learn a substitution where the text's end is in step with an earlier passage after a
+        short change: its last ``2 * SUB_CONTEXT`` or more tokens equal a passage's, the tokens
+        before differ, and before those (after at most ``MAX_SUB_NEW`` tokens of the text and
+        ``MAX_SUB_OLD`` of the passage) ``SUB_CONTEXT`` + 1 tokens are equal again; the changed
+        spans, both non-empty, are the new and the old (the shortest such pair)."""
+        hist, c = self.tokens, SUB_CONTEXT
+        if len(full) < 3 * c + 2 or c > self.max_ngram:
+            return
+        # the passage the text's end is in step with: the longest match (the latest of equals)
+        start, m = -1, 0
+        for s in reversed(self._index[c].get(tuple(full[-c:]), ())[-SCAN:]):
+            k = c
+            while k < MAX_MATCH and s - k - 1 >= 0 and hist[s - k - 1] == full[len(full) - k - 1]:
+                k += 1
+            if k > m:
+                start, m = s, k
+        if m < 2 * c or m >= MAX_MATCH or start - m - 1 < 0:
+            return  # too short to be a passage, or no change within reach
+        a, b = len(full) - m, start - m  # the changed spans end before a (text) and b (passage)
+        best = None
+        for ln in range(1, MAX_SUB_NEW + 1):
+            for lo in range(1, MAX_SUB_OLD + 1):
+                if a - ln - c - 1 < 0 or b - lo - c - 1 < 0 or (best is not None and ln + lo >= sum(best)):
+                    continue
+                if full[a - ln - c - 1:a - ln] == hist[b - lo - c - 1:b - lo]:
+                    best = (ln, lo)
+        if best is None:
+            return
+        ln, lo = best
+        old, new = tuple(hist[b - lo:b]), tuple(full[a - ln:a])
+        if old == new or old in self.subs or (old, new) in self._refused:
+            return
+        if len(self.subs) >= MAX_SUBS:
+            del self.subs[next(iter(self.subs))]
+        self.subs[old] = [new, 0, 0]
 
     def _path_logps(self, match: int, max_len: int) -> list[float]:
         """The path log-probabilities of a branch's tokens after a match of ``match`` tokens, as
@@ -162,8 +301,9 @@ class TextLookup:
         floor = math.log(self.min_p)
         out: list[float] = []
         lp = 0.0
+        shares = self.shares()
         for d in range(1, max_len + 1):
-            p = self.p(match + d - 1)
+            p = shares[match_class(match + d - 1)]
             lp += math.log(max(p, 1e-12))
             if lp < floor:
                 break
