@@ -22,10 +22,10 @@ up to the shape's text budget.
 Edits that rename. When the text the model writes follows an earlier passage with one short span
 changed (a variable renamed: ``totals`` written ``spent_by_customer``) and then goes on as that
 passage did, the change is learnt as a substitution (at most ``MAX_SUB_OLD`` tokens replaced by at
-most ``MAX_SUB_NEW``, with ``SUB_CONTEXT`` tokens equal on each side). From then on a continuation
-copied from the text carries the new span wherever the old one stood, and the text's end is matched
-with the new spans read as the old ones, so the match runs on through each renamed occurrence
-instead of starting over after it. A substitution the verifier refuses more often than it takes is
+most ``MAX_SUB_NEW``, with ``SUB_CONTEXT`` + 1 equal tokens before and twice ``SUB_CONTEXT``
+after). From then on a continuation copied from the text carries the new span wherever the old one
+stood, and the text's end is matched with the new spans read as the old ones, so the match runs on
+through each renamed occurrence instead of starting over after it. A substitution the verifier refuses more often than it takes is
 forgotten. Like every draft, these only change how many tokens a pass accepts, never which.
 """
 
@@ -222,41 +222,19 @@ class TextLookup:
     def _continuation(self, full: list[int], start: int, n: int) -> tuple[list[int], tuple]:
         """Up to ``n`` tokens of ``full`` from ``start`` on, each old span of a substitution written
         as its new one; and the spans so written."""
-        out: list[int] = []
-        spans = []
-        i = start
-        while len(out) < n and i < len(full):
-            for old, (new, _, _) in self.subs.items():
-                if full[i] == old[0] and tuple(full[i:i + len(old)]) == old:
-                    spans.append((len(out), len(out) + len(new), old))
-                    out.extend(new)
-                    i += len(old)
-                    break
-            else:
-                out.append(full[i])
-                i += 1
+        pairs = [(old, tuple(v[0])) for old, v in self.subs.items()]
+        out, spans = _rewrite(full, start, pairs, n)
         return out[:n], tuple(spans)
 
     def _as_before(self, full: list[int]) -> list[int] | None:
         """The text's end (its last ``MAX_MATCH`` + a few tokens) with each new span of a
-        substitution read as its old one; None where there is none."""
+        substitution read as its old one (the longest first); None where there is none."""
         if not self.subs:
             return None
         tail = full[-(MAX_MATCH + 2 * MAX_SUB_NEW):]
-        news = sorted(((tuple(v[0]), old) for old, v in self.subs.items()), key=lambda x: -len(x[0]))
-        out: list[int] = []
-        i, changed = 0, False
-        while i < len(tail):
-            for new, old in news:
-                if tail[i] == new[0] and tuple(tail[i:i + len(new)]) == new:
-                    out.extend(old)
-                    i += len(new)
-                    changed = True
-                    break
-            else:
-                out.append(tail[i])
-                i += 1
-        return out if changed else None
+        pairs = sorted(((tuple(v[0]), old) for old, v in self.subs.items()), key=lambda x: -len(x[0]))
+        out, spans = _rewrite(tail, 0, pairs, len(tail) * MAX_SUB_OLD)
+        return out if spans else None
 
     def _learn(self, full: list[int]) -> None:
         """Learn a substitution where the text's end is in step with an earlier passage after a
@@ -309,3 +287,24 @@ class TextLookup:
                 break
             out.append(lp)
         return out
+
+
+def _rewrite(seq: Sequence[int], start: int, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+             limit: int) -> tuple[list[int], list[tuple[int, int, tuple[int, ...]]]]:
+    """``seq`` from ``start`` on with each span ``a`` of ``pairs`` (the first that fits, left to
+    right) written as its ``b``, until ``limit`` tokens are out; and where each was written, as
+    (first, end, ``a``)."""
+    out: list[int] = []
+    spans: list[tuple[int, int, tuple[int, ...]]] = []
+    i = start
+    while len(out) < limit and i < len(seq):
+        for a, b in pairs:
+            if seq[i] == a[0] and tuple(seq[i:i + len(a)]) == a:
+                spans.append((len(out), len(out) + len(b), a))
+                out.extend(b)
+                i += len(a)
+                break
+        else:
+            out.append(seq[i])
+            i += 1
+    return out, spans
