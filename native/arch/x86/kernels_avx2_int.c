@@ -36,8 +36,8 @@
  * registers and applying it to each of its columns, their totals in registers (the row's blocks
  * are in L1/L2 after the first set, which prefetches them and keeps each unit's decoded scales for
  * the others); above that, each unit is decoded once into an L1 buffer and applied to every
- * column (and with AVX-512, R alone from TILE_MIN_COLS in tiles of rows). Each weight block is
- * read from memory once per product.
+ * column (and R alone from TILE_MIN_COLS columns in tiles of rows and columns). Each weight block
+ * is read from memory once per product.
  */
 #if defined(__x86_64__)
 
@@ -73,18 +73,24 @@
  * 0.869 / 0.876 at 7 / 8 / 12 / 16 with avx2-int16 (pairs); R alone with avx2-int16 1.05 / 1.05 /
  * 0.99 / 1.08 at 7 / 8 / 12 / 16 (noisy), so the residual alone keeps this limit */
 #define FUSED_COLS 6
-/* With AVX-512's 32 registers, the residual alone (add mode) from TILE_MIN_COLS columns takes its
- * rows TILE_ROWS at a time: each unit of the tile's rows decoded into L1 buffers, then per pair of
- * columns whose blocks take the high digit alone, the TILE_ROWS x 2 sums in registers (each digit
- * and each row's codes and scales loaded once per group for the pair and the tile, where one row
- * and one column at a time loaded all three for every pair of row and column). Measured on a
- * 2-core Zen 4 (python bench/native_ab.py OLD.so NEW.so SPLIT --batches 7,8,16,32 --residual-only,
- * Qwen2.5-Coder-1.5B q6_k split, bit-identical): time 1.00 at 8 columns, 0.74 at 16, 0.61 at 32;
- * with AVX2's 16 registers (avx2-int16, 2 or 4 rows) 1.11-1.19 at 7-8 columns, 0.83-0.98 at 16-32:
- * the other two compilations keep one row at a time */
-#ifdef BS_INT16_EVEX
+/* The residual alone (add mode) from TILE_MIN_COLS columns takes its rows TILE_ROWS at a time: each
+ * unit of the tile's rows decoded into L1 buffers, then per TILE_COLS columns whose blocks take the
+ * high digit alone, the TILE_ROWS x TILE_COLS sums in registers (each digit and each row's codes and
+ * scales loaded once per group for the columns and the tile, where one row and one column at a time
+ * loaded all three for every pair of row and column). Measured on a 2-core Zen 4 (python
+ * bench/native_ab.py OLD.so NEW.so SPLIT --batches 7,8,16,32 --residual-only, Qwen2.5-Coder-1.5B
+ * q6_k split, bit-identical), avx512vnni-int16: time 1.00 at 8 columns, 0.74 at 16, 0.61 at 32.
+ * With AVX2's 16 registers (avx2-int16; avxvnni-int16 runs its bodies for these types) the same
+ * 4 x 2 tile, on a 2-core Zen 5 (same command, --threads 1 --kernel avx2-int16, 7 rounds): time 1.10
+ * at 9 columns, 1.01 at 12, 0.90 at 16, 0.82 at 24, 0.81 at 32, 0.76 at 64 (2 rows x 4 columns:
+ * 1.09 at 9, 1.01 at 16, 0.90 at 32), so from 16 there; with AVX-512's registers 4 x 4 against
+ * 4 x 2 read 1.02 / 0.94 / 0.98 at 9 / 16 / 32: noise, 4 x 2 kept */
 #define TILE_ROWS 4
+#define TILE_COLS 2
+#ifdef BS_INT16_EVEX
 #define TILE_MIN_COLS 9
+#else
+#define TILE_MIN_COLS 16
 #endif
 /* The most columns one decoding of a row serves in registers, base and residual in the product:
  * with AVX-512's 32 vector registers, 4 (each column's 4 running sums stay in registers); with
@@ -582,21 +588,33 @@ INL void buffered_column(bool act8, int bt, int rt, int ng, const unit_buf * b, 
     *t = _mm256_fmadd_ps(_mm256_set1_ps(a->s), v, *t);
 }
 
-#ifdef BS_INT16_EVEX
-/* one group g of the tile's TILE_ROWS rows (buffers e) applied to two columns' high digits (h0, h1):
- * the same integers as apply_group's for each (row, column) */
-INL void tile_group(const unit_buf * e, int g, __m256i h0, __m256i h1, __m256i * acc) {
+/* one group g of the tile's TILE_ROWS rows (buffers e) applied to TILE_COLS columns' high digits (a):
+ * the same integers as apply_group's for each (row, column), acc[i * TILE_COLS + j] row i's and
+ * column j's */
+INL void tile_group(const unit_buf * e, int g, const colp * a, __m256i * acc) {
+    __m256i h[TILE_COLS];
+    for (int j = 0; j < TILE_COLS; j++) h[j] = _mm256_loadu_si256((const __m256i *)(a[j].d1 + 32 * g));
     for (int i = 0; i < TILE_ROWS; i++) {
         const __m256i u = e[i].u[g], G = e[i].G[g];
-        acc[2 * i] = DPWSSD(acc[2 * i], _mm256_maddubs_epi16(u, h0), G);
-        acc[2 * i + 1] = DPWSSD(acc[2 * i + 1], _mm256_maddubs_epi16(u, h1), G);
+        for (int j = 0; j < TILE_COLS; j++) {
+#ifdef BS_INT16_EVEX
+            acc[i * TILE_COLS + j] = DPWSSD(acc[i * TILE_COLS + j], _mm256_maddubs_epi16(u, h[j]), G);
+#else
+            acc[i * TILE_COLS + j] = _mm256_add_epi32(acc[i * TILE_COLS + j],
+                                                      _mm256_madd_epi16(_mm256_maddubs_epi16(u, h[j]), G));
+            /* opaque, as in apply_group: else the compiler keeps every group's products to add them
+             * as a tree at the unit's end, and spills them */
+            __asm__("" : "+x"(acc[i * TILE_COLS + j]));
+#endif
+        }
     }
 }
 
 /* The residual alone from TILE_MIN_COLS columns: rows in tiles of TILE_ROWS, each unit of the tile's
- * rows decoded into L1 buffers (e[i]); a pair of columns whose blocks both take the high digit alone
- * runs tile_group, any other column buffered_unit row by row. Every (row, column) sees
- * buffered_unit's integers and then its float operations in the same order: the same results. */
+ * rows decoded into L1 buffers (e[i]); the columns whose blocks take the high digit alone, TILE_COLS
+ * at a time, run tile_group, any other column (and the last few) buffered_column row by row. Every
+ * (row, column) sees buffered_unit's integers and then its float operations in the same order, once
+ * per unit into its own total: the same results whichever way its column went. */
 INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit_buf * e, __m256 * tot) {
     const int64_t K = job->K, nc = job->n_cols;
     const int qa = unit_of(T_NONE, rt);
@@ -620,39 +638,45 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                 }
             }
             int64_t c = 0;
-            colp a0 = col_at(job, cb, 0, k0, qa);
             while (c < nc) {
-                const colp a1 = c + 1 < nc ? col_at(job, cb, c + 1, k0, qa) : a0;
-                if (c + 1 < nc && r_alone_hi(false, T_NONE, rt, false, &a0) && r_alone_hi(false, T_NONE, rt, false, &a1)) {
-                    __m256i acc[2 * TILE_ROWS];
-                    for (int j = 0; j < 2 * TILE_ROWS; j++) acc[j] = _mm256_setzero_si256();
-                    _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-                        const __m256i h0 = _mm256_loadu_si256((const __m256i *)(a0.d1 + 32 * g));
-                        const __m256i h1 = _mm256_loadu_si256((const __m256i *)(a1.d1 + 32 * g));
-                        tile_group(e, g, h0, h1, acc);
+                /* the next TILE_COLS columns on their high digit; the others met on the way, row by row */
+                colp a[TILE_COLS];
+                int64_t at[TILE_COLS];
+                int n = 0;
+                for (; c < nc && n < TILE_COLS; c++) {
+                    const colp ac = col_at(job, cb, c, k0, qa);
+                    if (r_alone_hi(false, T_NONE, rt, false, &ac)) {
+                        a[n] = ac;
+                        at[n++] = c;
+                    } else {
+                        for (int i = 0; i < TILE_ROWS; i++) {
+                            buffered_column(false, T_NONE, rt, ng, e + i, e + i, &ac, false, &tot[c * TILE_ROWS + i]);
+                        }
                     }
-                    const __m256 s0 = _mm256_set1_ps(a0.s), s1 = _mm256_set1_ps(a1.s);
-                    for (int i = 0; i < TILE_ROWS; i++) {
-                        sums q0, q1;
-                        sums_init(&q0);
-                        sums_init(&q1);
-                        q0.il = acc[2 * i];
-                        q1.il = acc[2 * i + 1];
-                        const __m256 v0 = _mm256_add_ps(_mm256_setzero_ps(), sums_r(rt, false, true, ng, &q0, &e[i].sc, &a0));
-                        const __m256 v1 = _mm256_add_ps(_mm256_setzero_ps(), sums_r(rt, false, true, ng, &q1, &e[i].sc, &a1));
-                        tot[c * TILE_ROWS + i] = _mm256_fmadd_ps(s0, v0, tot[c * TILE_ROWS + i]);
-                        tot[(c + 1) * TILE_ROWS + i] = _mm256_fmadd_ps(s1, v1, tot[(c + 1) * TILE_ROWS + i]);
+                }
+                if (n < TILE_COLS) { /* the last few: row by row (no base: e[i] stands for both buffers) */
+                    for (int j = 0; j < n; j++) {
+                        for (int i = 0; i < TILE_ROWS; i++) {
+                            buffered_column(false, T_NONE, rt, ng, e + i, e + i, &a[j], false, &tot[at[j] * TILE_ROWS + i]);
+                        }
                     }
-                    c += 2;
-                    if (c < nc) a0 = col_at(job, cb, c, k0, qa);
                     continue;
                 }
-                /* column c alone, row by row (no base: e[i] stands for both buffers) */
-                for (int i = 0; i < TILE_ROWS; i++) {
-                    buffered_column(false, T_NONE, rt, ng, e + i, e + i, &a0, false, &tot[c * TILE_ROWS + i]);
+                __m256i acc[TILE_ROWS * TILE_COLS];
+                for (int j = 0; j < TILE_ROWS * TILE_COLS; j++) acc[j] = _mm256_setzero_si256();
+                _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+                    tile_group(e, g, a, acc);
                 }
-                c += 1;
-                a0 = a1; /* column c's, already computed */
+                for (int i = 0; i < TILE_ROWS; i++) {
+                    for (int j = 0; j < TILE_COLS; j++) {
+                        sums q;
+                        sums_init(&q);
+                        q.il = acc[i * TILE_COLS + j];
+                        const __m256 v = _mm256_add_ps(_mm256_setzero_ps(), sums_r(rt, false, true, ng, &q, &e[i].sc, &a[j]));
+                        __m256 * tt = &tot[at[j] * TILE_ROWS + i];
+                        *tt = _mm256_fmadd_ps(_mm256_set1_ps(a[j].s), v, *tt);
+                    }
+                }
             }
         }
         for (int64_t c = 0; c < nc; c++) {
@@ -664,9 +688,6 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
         }
     }
 }
-#else
-#define TILE_ROWS 1
-#endif
 
 /* Every (row, column) sees the same operations in the same order: per unit, each half's sums
  * (base first), their offsets, times the block scale s, into the column's total. act8: a constant
@@ -692,13 +713,11 @@ INL void rows_body_bits(const bs_job * job, int bt, int rt, bool coarse, bool ac
     __m256 * tot = (__m256 *)(hr + TILE_ROWS);
     unit_sc * scb = (unit_sc *)(tot + (size_t)nc * TILE_ROWS), * scr = scb + nu; /* the fused path's scales per unit */
     const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
-#ifdef BS_INT16_EVEX
     /* superblock residuals (Q4_K-Q6_K: integer scales per 16 values); Q8_0 keeps one row at a time */
     if (nc >= TILE_MIN_COLS && bt == T_NONE && superblock(rt) && rt != T_Q2_K && !coarse) {
         tiled_residual(job, rt, r0, r1, hr, tot);
         r0 += (r1 - r0) / TILE_ROWS * TILE_ROWS; /* the rows left over: one at a time, below */
     }
-#endif
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t * brow = bt != T_NONE ? job->w2 + (size_t)r * job->w2_row_bytes : NULL;
         const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)r * job->r_row_bytes : NULL;
