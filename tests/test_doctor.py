@@ -53,7 +53,7 @@ def check_profile(p: dict) -> None:
 
     for k in KEYS:
         assert k in p, k
-    assert p["version"] == PROFILE_VERSION == 8
+    assert p["version"] == PROFILE_VERSION == 9
     fams = policy.families()
     assert p["families"] == fams and p["max_isa"] == policy.max_isa() and p["draft_kernel"] == policy.draft_kernel()
     assert p["half_rate_512"] is policy.half_rate_512()
@@ -216,8 +216,13 @@ def test_passes_are_timed_in_turn_the_order_rotating():
 
 
 def test_doctor_json_cached_refreshed_and_keyed_by_isa_cap(capsys, cache):
+    from bitsplit_llama.tools import machine
+
     first, err = doctor(capsys)
     check_profile(first)
+    if os.path.exists("/proc/stat"):  # the load while it was measured (Linux)
+        assert 0.0 <= first["load"]["others_share"] <= 1.0 and 0.0 <= first["load"]["steal_share"] <= 1.0
+        assert first["load"]["busy"] == (first["load"]["others_share"] > machine.BUSY_SHARE)
     assert first["cached"] is False and "machine profile (quick)" in err
     assert os.path.dirname(first["path"]) == str(cache / "machine")
 
@@ -244,7 +249,7 @@ def test_doctor_json_cached_refreshed_and_keyed_by_isa_cap(capsys, cache):
     with open(fresh["path"], "w") as f:
         json.dump(old, f)
     redone, err = doctor(capsys)
-    assert redone["cached"] is False and "stale" in err and redone["version"] == 8
+    assert redone["cached"] is False and "stale" in err and redone["version"] == 9
     check_with_base_by_family(redone)
 
     # another cap is another profile: only the generic family, measured anew
@@ -285,6 +290,8 @@ def test_doctor_human_output(capsys, cache):
     assert starred == {b: policy.kernel_for_batch(b) for b in WITH_BASE_FAMILY_BATCHES}
     # each family's peak per core, and the R.x rows' rate and share of it
     assert "peak/core" in out and "G weight.column MAC/s" in out and "of peak" in out and "Gw.col/s/core" in out
+    if os.path.exists("/proc/stat"):  # the load while it was measured, in a line
+        assert "\nload         " in out
     # the native drafter's rows in the table too, where this CPU drafts with it (not only in the log)
     assert ("W2.x draft" in out) == bool(policy.draft_kernel() and policy.draft_min_cols() <= 16)
 
@@ -343,6 +350,49 @@ def test_plan_base_types(capsys, cache, monkeypatch):
     assert "--base iq2_xxs --imatrix auto" in iq["split_command"] and "--base" not in q2["split_command"]
     with pytest.raises(InvalidOptionError, match="--base: 'q1'"):
         make_plan("llama-3-70b", vram_gb=24, base_type="q1", **kw)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the load is read from /proc/stat (Linux)")
+def test_load_watch_counts_other_processes_not_this_one():
+    """A profile measured beside other work reads low rates and is cached: LoadWatch says how much of
+    the CPUs other processes took meanwhile. This process's own work is not counted; a busy process
+    per CPU is."""
+    import time
+
+    from bitsplit_llama.tools.machine import BUSY_SHARE, LoadWatch
+
+    w = LoadWatch()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.6:  # this process, busy: not another's load
+        pass
+    own = w.result()
+    assert own is not None and own["others_share"] < 0.4 and own["steal_share"] <= 1.0
+    n = os.cpu_count() or 1
+    spin = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 1.5: pass"
+    kids = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    try:
+        time.sleep(0.3)  # the children started
+        w = LoadWatch()
+        time.sleep(0.8)
+        busy = w.result()
+    finally:
+        for k in kids:
+            k.wait(timeout=60)
+    assert busy["others_share"] > max(0.5, BUSY_SHARE) and busy["busy"] is True
+
+
+def test_plan_says_when_its_profile_was_measured_on_a_busy_machine(capsys, cache, monkeypatch):
+    from bitsplit_llama.tools import machine
+    from bitsplit_llama.tools.plan import make_plan
+
+    prof, _ = doctor(capsys)
+    prof["load"] = {"others_share": 0.48, "steal_share": 0.02, "busy": True}
+    monkeypatch.setattr(machine, "machine_profile", lambda **kw: prof)
+    src = make_plan("qwen2.5-coder-1.5b", vram_gb=24)["bitsplit"]["residual_rate_source"]
+    assert "other processes took 48% of the CPUs" in src and "bitsplit doctor --refresh" in src
+    prof["load"] = {"others_share": 0.03, "steal_share": 0.0, "busy": False}
+    src = make_plan("qwen2.5-coder-1.5b", vram_gb=24)["bitsplit"]["residual_rate_source"]
+    assert "other processes" not in src and "machine profile" in src
 
 
 def test_plan_takes_its_residual_rate_from_the_machine_profile(capsys, cache, monkeypatch):

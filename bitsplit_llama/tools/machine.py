@@ -42,16 +42,76 @@ from .measure import (GGML_BASE_BATCHES, PEAK_INSTRUCTIONS, PEAK_SECONDS, family
                       measure_native_draft, measure_residual, open_ggml, with_peak_share)
 from .synthetic import QUICK, Log, full_size, machine_dir, synthetic_split
 
-PROFILE_VERSION = 8  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
+PROFILE_VERSION = 9  # 2: ggml_base (the drafter's rate); 3: small batches of W2 + R and ggml_base, native_draft;
 # 4: kernel_by_batch_alone (the policy for R . x alone); 5: R . x timed interleaved with ggml, vs_ggml;
 # ggml_q8_0 (the same weights as Q8_0) interleaved with W2 + R, vs_ggml_q8_0; 6: native_draft at batch 1
 # (the 256-bit integer families draft from 1 column); 7: R . x at every power of two to 64, the families'
 # peaks (peaks, peak_instructions) and each row's weight.columns per second and core and share of its peak;
 # 8: (W2+R).x for every SIMD family at 1, 2, 4, 8, 16 (with_base_by_family, fastest_by_batch_with_base): the
-# measured policy's input
+# measured policy's input; 9: load (other processes' share of the CPUs while it was measured)
 
 #: batch sizes the policy is asked about
 POLICY_BATCHES = (1, 2, 4, 5, 8, 16, 32, 64)
+
+#: the share of the machine's CPU time that other processes (and the hypervisor's steal) may take while
+#: the profile is measured before it is marked busy: a profile measured beside a build on a 2-core Zen 5
+#: read half the rates of the same measurement on the idle machine (avx512-bf16's R . x at 16 columns
+#: 39.7 against 72.9 G weight.columns/s per core), and plan's 32B projection fell from 2.16x to 1.48x
+BUSY_SHARE = 0.15
+
+
+def _cpu_seconds() -> Optional[tuple[float, float]]:
+    """(busy seconds of every CPU together, of which the hypervisor's steal) since boot, from
+    /proc/stat; None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            parts = f.readline().split()
+        v = [int(x) for x in parts[1:9]]
+        hz = float(os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not parts or parts[0] != "cpu" or len(v) < 7:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = v[:7]
+    steal = v[7] if len(v) > 7 else 0
+    return (user + nice + system + irq + softirq + steal) / hz, steal / hz
+
+
+class LoadWatch:
+    """How much of the machine other processes took between :meth:`__init__` and :meth:`result`: the
+    CPU time of every CPU (/proc/stat) less this process's own (every thread), as a share of the wall
+    time times the CPUs. A figure measured on a busy machine is low, and a cached profile would keep
+    it: the profile says so (``load``), and doctor and plan print it."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.own0 = time.process_time()
+        self.cpu0 = _cpu_seconds()
+
+    def result(self) -> Optional[dict]:
+        """{"others_share", "steal_share", "busy"}; None where /proc/stat cannot be read."""
+        cpu1 = _cpu_seconds()
+        if self.cpu0 is None or cpu1 is None:
+            return None
+        wall = time.perf_counter() - self.t0
+        total = wall * (os.cpu_count() or 1)
+        if total <= 0:
+            return None
+        own = time.process_time() - self.own0
+        others = max(0.0, (cpu1[0] - self.cpu0[0]) - own) / total
+        steal = max(0.0, cpu1[1] - self.cpu0[1]) / total
+        return {"others_share": round(min(1.0, others), 3), "steal_share": round(min(1.0, steal), 3),
+                "busy": others > BUSY_SHARE}
+
+
+def load_note(profile: dict) -> str:
+    """One line on the load while the profile was measured: "" where it was idle or not known."""
+    load = profile.get("load") or {}
+    if not load.get("busy"):
+        return ""
+    return (f"measured while other processes took {100 * load['others_share']:.0f}% of the CPUs "
+            f"(steal {100 * load['steal_share']:.0f}%): its rates may be low; measure again on an idle "
+            f"machine (bitsplit doctor --refresh)")
 
 
 def _say(log: Optional[Log], msg: str) -> None:
@@ -145,6 +205,7 @@ def _measure(*, threads: Optional[int] = None, quick: bool = False, log: Optiona
 
         raise InvalidOptionError(f"BITSPLIT_HALF_RATE_512='{hr}': expected 1, 0 or unset")
     t_start = time.perf_counter()
+    watch = LoadWatch()
     size = QUICK if quick else full_size()
     threads = threads_or_default(threads)
     cpu = cpu_info()
@@ -194,6 +255,9 @@ def _measure(*, threads: Optional[int] = None, quick: bool = False, log: Optiona
         act_bits = r.act_bits
     res_bytes = residual[0]["bytes"] if residual else 0
     base_bytes = (with_base[0]["bytes"] - res_bytes) if with_base and residual else 0
+    load = watch.result()
+    if load and load["busy"]:
+        _say(log, "  warning: " + load_note({"load": load}))
     return {
         "version": PROFILE_VERSION,
         "size": size.name,
@@ -226,6 +290,7 @@ def _measure(*, threads: Optional[int] = None, quick: bool = False, log: Optiona
         "ggml_base": ggml_base,
         "native_draft": native_draft,
         "devices": devs,
+        "load": load,
         "seconds": round(time.perf_counter() - t_start, 2),
     }
 
@@ -278,5 +343,7 @@ def residual_rate_per_core(profile: dict, batch: int) -> tuple[float, str]:
         fam = policy.kernel_for_batch(batch, residual_alone=True)
     rows = [r for r in profile["residual"] if r["family"] == fam] or list(profile["residual"])
     rate, where = rate_at(rows, batch)
+    busy = load_note(profile)
     return (rate, f"machine profile ({rows[0]['family']}, {where}, {profile['threads']} threads, "
-                  f"{profile['size']} size{', cached' if profile.get('cached') else ''})")
+                  f"{profile['size']} size{', cached' if profile.get('cached') else ''})"
+                  + (f"; {busy}" if busy else ""))
