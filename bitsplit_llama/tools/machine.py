@@ -54,9 +54,10 @@ PROFILE_VERSION = 9  # 2: ggml_base (the drafter's rate); 3: small batches of W2
 POLICY_BATCHES = (1, 2, 4, 5, 8, 16, 32, 64)
 
 #: the share of the machine's CPU time that other processes (and the hypervisor's steal) may take while
-#: the profile is measured before it is marked busy: a profile measured beside a build on a 2-core Zen 5
-#: read half the rates of the same measurement on the idle machine (avx512-bf16's R . x at 16 columns
-#: 39.7 against 72.9 G weight.columns/s per core), and plan's 32B projection fell from 2.16x to 1.48x
+#: the profile is measured before it is marked busy. On a 2-core Zen 5 a cached profile read half the
+#: idle rates (avx512-bf16's R . x at 16 columns 39.7 against 72.9 G weight.columns/s per core measured
+#: again on the idle machine; plan's 32B projection 1.48x against 2.16x); measured beside a sanitizer
+#: build (others took 55% of the CPUs), avx2-int16's R . x at 16 columns read 29.7 against 54.9 idle
 BUSY_SHARE = 0.15
 
 
