@@ -716,13 +716,10 @@ def doctor(
           f"first from this profile, unless BITSPLIT_POLICY=builtin; the built-in pick stays where it is within "
           f"{100 * (policy.MEASURED_MARGIN - 1):.0f}% of the fastest)")
     print(f"memory       {p['memory_bandwidth_gb_s']:.1f} GB/s (threaded numpy reduction)")
-    load = p.get("load")
-    if load:
-        from .tools.machine import load_note
+    from .tools.machine import load_line
 
-        note = load_note(p) or (f"other processes took {100 * load['others_share']:.0f}% of the CPUs while it was "
-                                f"measured (steal {100 * load['steal_share']:.0f}%)")
-        print(f"load         {note} ({p.get('measured_at', '?')})")
+    if load_line(p):
+        print(f"load         {load_line(p)} ({p.get('measured_at', '?')})")
     peaks = p.get("peaks") or {}
     for i, fam in enumerate(peaks):  # each family's multiply step timed in registers, one core
         v = peaks[fam]

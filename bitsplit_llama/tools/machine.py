@@ -105,14 +105,23 @@ class LoadWatch:
                 "busy": others > BUSY_SHARE}
 
 
-def load_note(profile: dict) -> str:
-    """One line on the load while the profile was measured: "" where it was idle or not known."""
+def load_line(profile: dict) -> str:
+    """One line on the load while the profile was measured (doctor's): the warning of :func:`load_note`
+    where it was busy, the shares where it was not; "" where it is not known."""
     load = profile.get("load") or {}
-    if not load.get("busy"):
+    if not load:
         return ""
-    return (f"measured while other processes took {100 * load['others_share']:.0f}% of the CPUs "
-            f"(steal {100 * load['steal_share']:.0f}%): its rates may be low; measure again on an idle "
-            f"machine (bitsplit doctor --refresh)")
+    shares = (f"other processes took {100 * load['others_share']:.0f}% of the CPUs "
+              f"(steal {100 * load['steal_share']:.0f}%)")
+    if not load.get("busy"):
+        return f"measured while {shares}"
+    return (f"measured while {shares}: its rates may be low; measure again on an idle machine "
+            f"(bitsplit doctor --refresh)")
+
+
+def load_note(profile: dict) -> str:
+    """The warning on the load while the profile was measured (plan's): "" where it was idle or not known."""
+    return load_line(profile) if (profile.get("load") or {}).get("busy") else ""
 
 
 def _say(log: Optional[Log], msg: str) -> None:
