@@ -104,7 +104,7 @@ def _weights(split, name):
         return w2.astype(np.float64), r.astype(np.float64), bt.ggml_type, rt.ggml_type
 
 
-def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 16, 17, 31), seed=5, fallback=EXACT_WEIGHTS,
+def _check_family(split, fam, names, n_cols=(1, 2, 3, 5, 13, 16, 17, 31), seed=5, fallback=EXACT_WEIGHTS,
                   act_bits="auto"):
     """``act_bits``: the verifier's activations setting (auto: as it resolves on this CPU and cap)."""
     with Residual(split) as res:
@@ -341,7 +341,7 @@ def test_vnni_int16_families_are_avx2_int16_bit_for_bit(tiny_split, type_splits,
     """The VNNI families compute avx2-int16's integers with other instructions (Q2_K's scales folded
     into its codes, vpdpbusd/vpdpwssd; avx512vnni-int16 in their EVEX form, one decoding of a row
     serving up to 4 columns; R alone from 9 columns in tiles of 4 rows and pairs of columns, where
-    avx2-int16 tiles from 16), in the same floating-point order: every product of every type, with
+    avx2-int16 tiles from 12), in the same floating-point order: every product of every type, with
     and without the base, at every batch size (1 to 9: sets of 4, 3, 2 and 1 columns; 16 and 17:
     tiles, a column whose block keeps both digits between pairs that take the high digit alone), is
     the same bits."""

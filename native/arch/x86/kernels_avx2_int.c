@@ -84,13 +84,18 @@
  * 4 x 2 tile, on a 2-core Zen 5 (same command, --threads 1 --kernel avx2-int16, 7 rounds): time 1.10
  * at 9 columns, 1.01 at 12, 0.90 at 16, 0.82 at 24, 0.81 at 32, 0.76 at 64 (2 rows x 4 columns:
  * 1.09 at 9, 1.01 at 16, 0.90 at 32), so from 16 there; with AVX-512's registers 4 x 4 against
- * 4 x 2 read 1.02 / 0.94 / 0.98 at 9 / 16 / 32: noise, 4 x 2 kept */
+ * 4 x 2 read 1.02 / 0.94 / 0.98 at 9 / 16 / 32: noise, 4 x 2 kept. On a 2-core Zen 3 (AVX2 alone;
+ * same command, 1 thread, 5 rounds, with tile_group's codes and scales in registers) tiles against
+ * the one-row loop: 1.03 / 0.98 / 1.09 / 1.01 / 1.00 / 0.86 / 0.91 at 7 / 8 / 9 / 10 / 11 / 12 / 14
+ * columns (an odd column goes row by row), 1.47 / 1.28 / 1.12 at 3 / 4 / 6 against the pairs: so
+ * from 12 on AVX2 (the Zen 5 read 1.01 there; a Zen 4, tiles and registers together against
+ * neither, 0.92 at 12) */
 #define TILE_ROWS 4
 #define TILE_COLS 2
 #ifdef BS_INT16_EVEX
 #define TILE_MIN_COLS 9
 #else
-#define TILE_MIN_COLS 16
+#define TILE_MIN_COLS 12
 #endif
 /* The most columns one decoding of a row serves in registers, base and residual in the product:
  * with AVX-512's 32 vector registers, 4 (each column's 4 running sums stay in registers); with
@@ -595,7 +600,15 @@ INL void tile_group(const unit_buf * e, int g, const colp * a, __m256i * acc) {
     __m256i h[TILE_COLS];
     for (int j = 0; j < TILE_COLS; j++) h[j] = _mm256_loadu_si256((const __m256i *)(a[j].d1 + 32 * g));
     for (int i = 0; i < TILE_ROWS; i++) {
-        const __m256i u = e[i].u[g], G = e[i].G[g];
+        /* in registers for the tile's columns: as memory operands the compiler loaded both again for
+         * every column (18 loads a group where 10 do; Zen 3 issues two 256-bit loads a cycle), time
+         * 0.92 / 0.94 / 0.96 at 16 / 24 / 32 columns on a 2-core Zen 3 (python bench/native_ab.py,
+         * Qwen2.5-Coder-1.5B q6_k split, --residual-only --kernel avx2-int16 --threads 1, 5 rounds);
+         * on a 2-core Zen 4, with the tiles from 12, 0.92 / 0.96 / 0.96 at 12 / 16 / 32. The EVEX build
+         * (32 registers) kept them there already: 1.01 / 1.00 / 0.99 at 9 / 16 / 32 (avx512vnni-int16;
+         * "+v", any of the 32, read as "+x" did) */
+        __m256i u = e[i].u[g], G = e[i].G[g];
+        __asm__("" : "+x"(u), "+x"(G));
         for (int j = 0; j < TILE_COLS; j++) {
 #ifdef BS_INT16_EVEX
             acc[i * TILE_COLS + j] = DPWSSD(acc[i * TILE_COLS + j], _mm256_maddubs_epi16(u, h[j]), G);
