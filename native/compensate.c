@@ -10,7 +10,8 @@
  * rounds anything; e's scale is ~1/254 of x's, so what is left of the error is ~254 times smaller.
  * The host adds it with R . x. The host reads no extra weight bytes; the device computes each base
  * product twice, and e goes up and W2 . e comes down, once per shared input for all its products (one
- * write per rounding rule, one graph, one read).
+ * write per rounding rule, one graph, one read). With the sum made on the device (bs_device_add, per
+ * product), e goes up with the first product of its input and stays on the device for the others.
  *
  * The scheduler has synchronised the model's backend before the callback runs, and every call here
  * finishes its own work (synchronize) before it returns, so the two streams of work never overlap.
@@ -41,6 +42,15 @@ typedef struct {
     ggml_backend_buffer_type_t buft;
     ggml_backend_buffer_t buf; /* e and the results, grown as passes need */
     size_t size;
+    /* the device's add (bs_device_add): the last e it uploaded, kept in a buffer of its own, and the
+     * activations it was made from (host), so that the next product of the same input (k and v after
+     * q, up after gate) uses it again instead of sending the same e once more */
+    ggml_backend_buffer_t ebuf;
+    size_t esize;
+    void * ex;    /* the x that e was made from, n_cols x K floats (ex_cols 0: no e kept) */
+    size_t ex_size;
+    int64_t ex_cols, ex_k;
+    int ex_rule;
 } comp_dev;
 
 struct bs_comp {
@@ -63,9 +73,15 @@ void bs_comp_free(bitsplit_ctx * ctx, bool lost) {
         if (c->devs[i].buf != NULL) {
             ggml_backend_buffer_free(c->devs[i].buf);
         }
+        if (c->devs[i].ebuf != NULL) {
+            ggml_backend_buffer_free(c->devs[i].ebuf);
+        }
         if (c->devs[i].backend != NULL) {
             ggml_backend_free(c->devs[i].backend);
         }
+    }
+    for (int i = 0; i < c->n_devs; i++) {
+        bs_aligned_free(c->devs[i].ex);
     }
     bs_aligned_free(c->meta);
     bs_aligned_free(c->err);
@@ -357,6 +373,52 @@ bool bs_compensate(bitsplit_ctx * ctx, const struct ggml_tensor * const * w, int
     return true;
 }
 
+/* e (a tensor of n_cols x K floats, not yet placed) placed at the start of d's e buffer; true where the
+ * buffer already holds e for these activations: the last e placed there was made from the same x
+ * (bit for bit), rule and shape, so k and v use q's, up uses gate's. Else the caller computes e and
+ * sends it, and x is kept as the key of what the buffer will hold. On an allocation failure e stays
+ * unplaced (an error recorded). */
+static bool kept_e(bitsplit_ctx * ctx, comp_dev * d, struct ggml_tensor * e, const float * x, int64_t n_cols,
+                   int64_t K, int rule) {
+    const size_t xbytes = (size_t)n_cols * (size_t)K * sizeof(float);
+    const size_t need = ggml_backend_buft_get_alloc_size(d->buft, e);
+    const bool same = d->ex_cols > 0 && d->ex_cols == n_cols && d->ex_k == K && d->ex_rule == rule &&
+                      d->ebuf != NULL && need <= d->esize && memcmp(d->ex, x, xbytes) == 0;
+    if (!same && need > d->esize) {
+        if (d->ebuf != NULL) {
+            ggml_backend_buffer_free(d->ebuf);
+        }
+        d->esize = 0;
+        d->ebuf = ggml_backend_buft_alloc_buffer(d->buft, need + need / 4);
+        if (d->ebuf == NULL) {
+            d->ex_cols = 0;
+            bs_record_error(ctx, BITSPLIT_E_NOMEM, "device %s could not allocate %llu bytes for this library's graphs",
+                            ggml_backend_dev_name(d->dev), (unsigned long long)(need + need / 4));
+            return false;
+        }
+        d->esize = ggml_backend_buffer_get_size(d->ebuf);
+    }
+    if (ggml_backend_tensor_alloc(d->ebuf, e, ggml_backend_buffer_get_base(d->ebuf)) != GGML_STATUS_SUCCESS) {
+        e->buffer = NULL;
+        d->ex_cols = 0;
+        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "device %s: cannot place the compensation's activations",
+                        ggml_backend_dev_name(d->dev));
+        return false;
+    }
+    if (same) {
+        return true;
+    }
+    d->ex_cols = 0;
+    if (!bs_ensure(&d->ex, &d->ex_size, xbytes)) {
+        return false; /* no key kept: the next product sends its e again */
+    }
+    memcpy(d->ex, x, xbytes);
+    d->ex_cols = n_cols;
+    d->ex_k = K;
+    d->ex_rule = rule;
+    return false;
+}
+
 /* add mode on the device (bitsplit_ctx_set_device_add): t, a product node in a device buffer holding
  * W2 . x, += delta (R . x from the host, n_cols x N) and, compensating, + W2 . e (e = x - round(x) from
  * the host's x), by a graph of the device's own that adds in place: the sum never comes to the host.
@@ -422,7 +484,17 @@ bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * del
             m = ggml_mul_mat(g, (struct ggml_tensor *)w, ee);
             sum = dd != NULL ? ggml_add(g, dd, m) : m;
         }
-        struct ggml_tensor * own[4] = {dd, ee, m, sum != dd && sum != m ? sum : NULL};
+        /* a pass in one chunk keeps its e in the e buffer (kept_e), one in several chunks beside the rest */
+        const bool whole = rule > 0 && nc == n_cols;
+        bool e_sent = false; /* e already on the device: the same x, rule and shape as the last one sent */
+        if (whole) {
+            e_sent = kept_e(ctx, d, ee, x, n_cols, K, rule);
+            if (ee->buffer == NULL) { /* the e buffer could not be had */
+                ggml_free(g);
+                return false;
+            }
+        }
+        struct ggml_tensor * own[4] = {dd, whole ? NULL : ee, m, sum != dd && sum != m ? sum : NULL};
         size_t need = 0;
         for (int i = 0; i < 4; i++) {
             need += own[i] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, own[i]), align) : 0;
@@ -452,7 +524,7 @@ bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * del
             ggml_backend_tensor_set(dd, delta + (size_t)c0 * (size_t)N, 0, (size_t)nc * (size_t)N * sizeof(float));
             atomic_fetch_add(&ctx->c_bdev_out, (size_t)nc * (size_t)N * sizeof(float));
         }
-        if (rule > 0) {
+        if (rule > 0 && !e_sent) {
             float * eh = (float *)c->err;
             for (int64_t col = 0; col < nc; col++) {
                 bs_numerics_error(rule, x + (size_t)(c0 + col) * (size_t)K, K, eh + (size_t)col * (size_t)K);
@@ -466,6 +538,7 @@ bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * del
         ggml_backend_synchronize(d->backend); /* done before the model's graph goes on */
         ggml_free(g);
         if (st != GGML_STATUS_SUCCESS) {
+            d->ex_cols = 0; /* what the device holds is not known any more */
             bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "device add: device %s failed the sum of '%s' (%s)",
                             ggml_backend_dev_name(d->dev), w->name, ggml_status_to_string(st));
             return false;

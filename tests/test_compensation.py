@@ -51,6 +51,16 @@ def _gap(a, b) -> float:
     return float(np.abs(a - b).max())
 
 
+def _input_widths(split) -> int:
+    """The widths summed over a pass's distinct inputs of products: q's (k and v read it too),
+    attn_output's, gate's (up reads it too), down's, the output head's."""
+    from gguf import GGUFReader
+
+    names = ("attn_q", "attn_output", "ffn_gate", "ffn_down")
+    tensors = GGUFReader(str(split / "base.gguf")).tensors
+    return sum(int(t.shape[0]) for t in tensors if t.name.split(".")[-2] in names or t.name == "output.weight")
+
+
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
 def test_emulated_compensation_takes_the_devices_rounding_away(tiny_split, backend):
     host, _ = _logits(tiny_split)
@@ -134,8 +144,10 @@ def test_compensation_with_the_base_on_an_rpc_device_equals_add_mode(tiny_split,
     # one second product per product with overlap too (each input's products in one graph)
     assert c_seq.n_compensated == c_c.n_compensated >= c_c.n_add_products == c_dev.n_add_products > 0
     assert c_c.n_overlapped == c_c.n_add_products
-    # with the sum on the device (the default) e goes up and nothing more comes down
+    # with the sum on the device (the default) e goes up and nothing more comes down; e goes up once per
+    # input, not once per product: k and v use q's, up uses gate's
     assert c_c.bytes_to_device > c_dev.bytes_to_device and c_c.bytes_from_device == c_dev.bytes_from_device
+    assert c_c.bytes_to_device - c_dev.bytes_to_device == 4 * len(TEXT) * _input_widths(tiny_split)
 
 
 def test_compensation_refusals(tiny_split, tiny_f32, tmp_path):
