@@ -1,6 +1,7 @@
 """Greedy identity under the defaults: `bitsplit run` (speculative, at each tree size, text branches
 at their default) against `bitsplit run --no-spec`, both through Generator exactly as the CLI builds
-it, no environment variable set. Prints one line per tree size and a JSON summary.
+it, no environment variable set. Prints a line per prompt and per tree size (stderr) and a JSON
+summary.
 
     python bench/identity.py SPLIT_DIR [--nodes 1,16,64,256] [--n 256] [--prompts FILE] [--max-prompts 10]
 """
@@ -46,6 +47,10 @@ def main() -> None:
                 else:
                     parted.append({"prompt": i, "at": next((k for k, (x, y) in enumerate(zip(r.tokens, plain[i])) if x != y),
                                                             min(len(r.tokens), len(plain[i])))})
+                # one line per prompt: a large tree's run takes long enough to want its progress
+                print(f"[{time.time() - t0:5.0f}s]   {nodes} nodes, prompt {i + 1}/{len(prompts)}: "
+                      f"{'identical' if r.tokens == plain[i] else 'parted at %d' % parted[-1]['at']}, "
+                      f"{r.stats.tokens_per_verify:.2f} tokens per verify", file=sys.stderr, flush=True)
             row = {"identical": same, "of": len(prompts), "parted": parted, "kernel": g.kernel,
                    "text_nodes": g.shape.text, "tokens_per_verify": round(sum(tpv) / len(tpv), 2)}
         out["by_nodes"][nodes] = row
