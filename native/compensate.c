@@ -375,9 +375,10 @@ bool bs_compensate(bitsplit_ctx * ctx, const struct ggml_tensor * const * w, int
 
 /* e (a tensor of n_cols x K floats, not yet placed) placed at the start of d's e buffer; true where the
  * buffer already holds e for these activations: the last e placed there was made from the same x
- * (bit for bit), rule and shape, so k and v use q's, up uses gate's. Else the caller computes e and
- * sends it, and x is kept as the key of what the buffer will hold. On an allocation failure e stays
- * unplaced (an error recorded). */
+ * (bit for bit), rule and shape, so k and v use q's, up uses gate's. Else the caller computes e, sends
+ * it and then keeps x as the key of what the buffer holds (keep_e_key): not before, so that a pass that
+ * fails in between leaves no key to an e never sent. On an allocation failure e stays unplaced (an
+ * error recorded). */
 static bool kept_e(bitsplit_ctx * ctx, comp_dev * d, struct ggml_tensor * e, const float * x, int64_t n_cols,
                    int64_t K, int rule) {
     const size_t xbytes = (size_t)n_cols * (size_t)K * sizeof(float);
@@ -405,18 +406,22 @@ static bool kept_e(bitsplit_ctx * ctx, comp_dev * d, struct ggml_tensor * e, con
                         ggml_backend_dev_name(d->dev));
         return false;
     }
-    if (same) {
-        return true;
+    if (!same) {
+        d->ex_cols = 0; /* the buffer's e is about to be overwritten */
     }
-    d->ex_cols = 0;
+    return same;
+}
+
+/* e made from x (n_cols x K, by rule) is now in d's e buffer */
+static void keep_e_key(comp_dev * d, const float * x, int64_t n_cols, int64_t K, int rule) {
+    const size_t xbytes = (size_t)n_cols * (size_t)K * sizeof(float);
     if (!bs_ensure(&d->ex, &d->ex_size, xbytes)) {
-        return false; /* no key kept: the next product sends its e again */
+        return; /* no key kept: the next product sends its e again */
     }
     memcpy(d->ex, x, xbytes);
     d->ex_cols = n_cols;
     d->ex_k = K;
     d->ex_rule = rule;
-    return false;
 }
 
 /* add mode on the device (bitsplit_ctx_set_device_add): t, a product node in a device buffer holding
@@ -531,6 +536,9 @@ bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * del
             }
             ggml_backend_tensor_set(ee, eh, 0, (size_t)nc * (size_t)K * sizeof(float));
             atomic_fetch_add(&ctx->c_bdev_out, (size_t)nc * (size_t)K * sizeof(float));
+            if (whole) {
+                keep_e_key(d, x, n_cols, K, rule);
+            }
         }
         struct ggml_cgraph * gf = ggml_new_graph_custom(g, 8, false);
         ggml_build_forward_expand(gf, out);
