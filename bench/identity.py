@@ -42,14 +42,15 @@ def main() -> None:
             for i, p in enumerate(prompts):
                 r = g.generate(p, max_tokens=a.n)
                 tpv.append(r.stats.tokens_per_verify)
-                if r.tokens == plain[i]:
+                ok = r.tokens == plain[i]
+                if ok:
                     same += 1
                 else:
                     parted.append({"prompt": i, "at": next((k for k, (x, y) in enumerate(zip(r.tokens, plain[i])) if x != y),
                                                             min(len(r.tokens), len(plain[i])))})
                 # one line per prompt: a large tree's run takes long enough to want its progress
                 print(f"[{time.time() - t0:5.0f}s]   {nodes} nodes, prompt {i + 1}/{len(prompts)}: "
-                      f"{'identical' if r.tokens == plain[i] else 'parted at %d' % parted[-1]['at']}, "
+                      f"{'identical' if ok else 'parted at %d' % parted[-1]['at']}, "
                       f"{r.stats.tokens_per_verify:.2f} tokens per verify", file=sys.stderr, flush=True)
             row = {"identical": same, "of": len(prompts), "parted": parted, "kernel": g.kernel,
                    "text_nodes": g.shape.text, "tokens_per_verify": round(sum(tpv) / len(tpv), 2)}
