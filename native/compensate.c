@@ -51,6 +51,10 @@ typedef struct {
     size_t ex_size;
     int64_t ex_cols, ex_k;
     int ex_rule;
+    /* the device runs what it is sent in the order sent, whoever sends it: llama.cpp's RPC client, whose
+     * backends and buffers on one server share one queue and one connection. The device's add needs no
+     * synchronisation there: the model's next command waits behind it anyway */
+    bool ordered;
 } comp_dev;
 
 struct bs_comp {
@@ -145,6 +149,7 @@ static comp_dev * device_for(bitsplit_ctx * ctx, ggml_backend_dev_t dev, const c
     d->dev = dev;
     d->backend = backend;
     d->buft = buft;
+    d->ordered = reg != NULL && strcmp(ggml_backend_reg_name(reg), "RPC") == 0;
     return d;
 }
 
@@ -152,22 +157,23 @@ static size_t round_up(size_t n, size_t a) {
     return (n + a - 1) / a * a;
 }
 
-/* d's buffer holding at least need bytes (its contents are not kept when it grows); false after an error */
-static bool grow_buffer(bitsplit_ctx * ctx, comp_dev * d, size_t need) {
-    if (need <= d->size) {
+/* *buf (one of d's buffers, *size its size) holding at least need bytes (its contents are not kept
+ * when it grows); false after an error */
+static bool grow_buffer(bitsplit_ctx * ctx, comp_dev * d, ggml_backend_buffer_t * buf, size_t * size, size_t need) {
+    if (need <= *size) {
         return true;
     }
-    if (d->buf != NULL) {
-        ggml_backend_buffer_free(d->buf);
+    if (*buf != NULL) {
+        ggml_backend_buffer_free(*buf);
     }
-    d->size = 0;
-    d->buf = ggml_backend_buft_alloc_buffer(d->buft, need + need / 4);
-    if (d->buf == NULL) {
+    *size = 0;
+    *buf = ggml_backend_buft_alloc_buffer(d->buft, need + need / 4);
+    if (*buf == NULL) {
         bs_record_error(ctx, BITSPLIT_E_NOMEM, "device %s could not allocate %llu bytes for this library's graphs",
                         ggml_backend_dev_name(d->dev), (unsigned long long)(need + need / 4));
         return false;
     }
-    d->size = ggml_backend_buffer_get_size(d->buf);
+    *size = ggml_backend_buffer_get_size(*buf);
     return true;
 }
 
@@ -214,7 +220,7 @@ static bool run_chunk(bitsplit_ctx * ctx, comp_dev * d, const struct ggml_tensor
         need += (e[j] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, e[j]), align) : 0) +
                 (y[j] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, y[j]), align) : 0);
     }
-    if (!grow_buffer(ctx, d, need)) {
+    if (!grow_buffer(ctx, d, &d->buf, &d->size, need)) {
         ggml_free(g);
         return false;
     }
@@ -385,19 +391,9 @@ static bool kept_e(bitsplit_ctx * ctx, comp_dev * d, struct ggml_tensor * e, con
     const size_t need = ggml_backend_buft_get_alloc_size(d->buft, e);
     const bool same = d->ex_cols > 0 && d->ex_cols == n_cols && d->ex_k == K && d->ex_rule == rule &&
                       d->ebuf != NULL && need <= d->esize && memcmp(d->ex, x, xbytes) == 0;
-    if (!same && need > d->esize) {
-        if (d->ebuf != NULL) {
-            ggml_backend_buffer_free(d->ebuf);
-        }
-        d->esize = 0;
-        d->ebuf = ggml_backend_buft_alloc_buffer(d->buft, need + need / 4);
-        if (d->ebuf == NULL) {
-            d->ex_cols = 0;
-            bs_record_error(ctx, BITSPLIT_E_NOMEM, "device %s could not allocate %llu bytes for this library's graphs",
-                            ggml_backend_dev_name(d->dev), (unsigned long long)(need + need / 4));
-            return false;
-        }
-        d->esize = ggml_backend_buffer_get_size(d->ebuf);
+    if (!same && !grow_buffer(ctx, d, &d->ebuf, &d->esize, need)) {
+        d->ex_cols = 0;
+        return false;
     }
     if (ggml_backend_tensor_alloc(d->ebuf, e, ggml_backend_buffer_get_base(d->ebuf)) != GGML_STATUS_SUCCESS) {
         e->buffer = NULL;
@@ -504,7 +500,7 @@ bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * del
         for (int i = 0; i < 4; i++) {
             need += own[i] != NULL ? round_up(ggml_backend_buft_get_alloc_size(d->buft, own[i]), align) : 0;
         }
-        if (!grow_buffer(ctx, d, need)) {
+        if (!grow_buffer(ctx, d, &d->buf, &d->size, need)) {
             ggml_free(g);
             return false;
         }
@@ -525,8 +521,10 @@ bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * del
             bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED, "device add: cannot view the node of '%s'", w->name);
             return false;
         }
+        /* sent without waiting (llama.cpp's RPC client copies the data into its queue; a GPU's backend
+         * has taken it by the synchronisation below) */
         if (dd != NULL) {
-            ggml_backend_tensor_set(dd, delta + (size_t)c0 * (size_t)N, 0, (size_t)nc * (size_t)N * sizeof(float));
+            ggml_backend_tensor_set_async(d->backend, dd, delta + (size_t)c0 * (size_t)N, 0, (size_t)nc * (size_t)N * sizeof(float));
             atomic_fetch_add(&ctx->c_bdev_out, (size_t)nc * (size_t)N * sizeof(float));
         }
         if (rule > 0 && !e_sent) {
@@ -534,7 +532,7 @@ bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * del
             for (int64_t col = 0; col < nc; col++) {
                 bs_numerics_error(rule, x + (size_t)(c0 + col) * (size_t)K, K, eh + (size_t)col * (size_t)K);
             }
-            ggml_backend_tensor_set(ee, eh, 0, (size_t)nc * (size_t)K * sizeof(float));
+            ggml_backend_tensor_set_async(d->backend, ee, eh, 0, (size_t)nc * (size_t)K * sizeof(float));
             atomic_fetch_add(&ctx->c_bdev_out, (size_t)nc * (size_t)K * sizeof(float));
             if (whole) {
                 keep_e_key(d, x, n_cols, K, rule);
@@ -542,8 +540,10 @@ bool bs_device_add(bitsplit_ctx * ctx, struct ggml_tensor * t, const float * del
         }
         struct ggml_cgraph * gf = ggml_new_graph_custom(g, 8, false);
         ggml_build_forward_expand(gf, out);
-        const enum ggml_status st = ggml_backend_graph_compute(d->backend, gf);
-        ggml_backend_synchronize(d->backend); /* done before the model's graph goes on */
+        const enum ggml_status st = ggml_backend_graph_compute_async(d->backend, gf);
+        if (!d->ordered) { /* done before the model's graph goes on (a GPU's: on another stream) */
+            ggml_backend_synchronize(d->backend);
+        }
         ggml_free(g);
         if (st != GGML_STATUS_SUCCESS) {
             d->ex_cols = 0; /* what the device holds is not known any more */
