@@ -121,12 +121,14 @@ PY
 say "eval: verifier all local vs base on the GPU (its rounding compensated and not), vs CUDA's emulated"
 bitsplit eval "$SPLIT" --reference "$SRC" --text "$OUT/text.txt" --chunks 8 --n-gpu-layers "$NGL" \
     --device-numerics host,cuda --compensation both --json >"$OUT/eval.json"
-say "bench: base on the GPU, with and without overlap, with and without compensation"
+say "bench: base on the GPU, with overlap at the inputs (default), at the products, without; with and without compensation"
 bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --json -q >"$OUT/bench.json"
 bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --compensation off --json -q \
     >"$OUT/bench_nocomp.json"
 bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --no-overlap --json -q \
     >"$OUT/bench_seq.json"
+bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --overlap-at products --json -q \
+    >"$OUT/bench_at_products.json"
 OMP_WAIT_POLICY=PASSIVE bitsplit bench "$SPLIT" --vs "$SRC" -n "$N" --n-gpu-layers "$NGL" --tree-nodes 8 --json -q \
     >"$OUT/bench_passive.json"
 
@@ -135,13 +137,14 @@ import json, sys
 out, gpu, tests, rc = sys.argv[1:5]
 last = lambda f: json.loads(open(f"{out}/{f}").read().strip().splitlines()[-1])  # noqa: E731
 ev, b, bs, bp = last("eval.json"), last("bench.json"), last("bench_seq.json"), last("bench_passive.json")
-bn = last("bench_nocomp.json")
+bn, ba = last("bench_nocomp.json"), last("bench_at_products.json")
 keep = ("tokens_per_second", "vs_tokens_per_second", "speedup_vs", "accepted_per_verify", "add_mode_per_pass")
 print(json.dumps({
     "gpu": gpu, "tests": tests, "tests_ok": rc == "0",
     "eval": {m["name"]: {"kl_mean": m["kl_mean"], "top1": m["top1"]} for m in ev["models"]},
     "bench": {k: b.get(k) for k in keep}, "bench_no_overlap": {k: bs.get(k) for k in keep},
     "bench_omp_passive": {k: bp.get(k) for k in keep}, "bench_no_compensation": {k: bn.get(k) for k in keep},
+    "bench_overlap_at_products": {k: ba.get(k) for k in keep},
     "logs": out}))
 PY
 exit "$TESTS_RC"

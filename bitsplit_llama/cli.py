@@ -143,6 +143,11 @@ _GEN_PARAMS = {
     "overlap": ("overlap", bool, typer.Option(
         _GEN_DEFAULTS["overlap"], "--overlap/--no-overlap",
         help="With the base on a device: compute R . x beside the device's W2 . x (default) or after it.")),
+    "overlap_at": ("overlap_at", str, typer.Option(
+        _GEN_DEFAULTS["overlap_at"], "--overlap-at", metavar="inputs|products",
+        help="With the base on a device and overlap: start R . x at each product's input (default: the graph "
+             "also stops there) or at the input's first product (one stop per product; for a GPU, whose W2 . x "
+             "is short).")),
     "compensation": ("compensation", str, typer.Option(
         _GEN_DEFAULTS["compensation"], "--compensation", metavar="auto|off|cpu|cuda|cuda-mmvq|metal",
         help="With the base on a device: correct its rounding of the activations before W2.x by a second product "

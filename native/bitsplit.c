@@ -151,11 +151,15 @@ int bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode) {
     return BITSPLIT_OK;
 }
 
-int bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, bool on) {
-    if (ctx == NULL) {
+int bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, int where) {
+    if (ctx == NULL || where < BITSPLIT_OVERLAP_OFF || where > BITSPLIT_OVERLAP_PRODUCTS) {
         return BITSPLIT_E_INVALID;
     }
-    return bs_overlap_enable(ctx, on) ? BITSPLIT_OK : BITSPLIT_E_NOMEM;
+    if (!bs_overlap_enable(ctx, where != BITSPLIT_OVERLAP_OFF)) {
+        return BITSPLIT_E_NOMEM;
+    }
+    ctx->overlap_at_products = where == BITSPLIT_OVERLAP_PRODUCTS;
+    return BITSPLIT_OK;
 }
 
 /* ggml's abort hook: one message, then the process ends (see bitsplit_set_abort_message) */

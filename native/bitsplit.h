@@ -126,11 +126,20 @@ int  bitsplit_ctx_set_act_bits(bitsplit_ctx * ctx, int act_bits);
  * ctx's setting on this CPU (the cap BITSPLIT_MAX_ISA included); -1 for a NULL ctx */
 int  bitsplit_ctx_act_bits(const bitsplit_ctx * ctx, int res_type);
 int  bitsplit_ctx_set_mode(bitsplit_ctx * ctx, int mode);
-/* Add mode only: start R . x on this library's threads as soon as the product's input is computed
- * (learned from the first pass: which graph nodes feed residual products), so that it runs while
- * the device computes W2 . x; the sum is made when the device's node completes. Off: R . x starts
- * after the device's node (one after the other). On by default. */
-int  bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, bool on);
+/* Add mode only: where R . x starts on this library's threads.
+ * BITSPLIT_OVERLAP_INPUTS (the default): as soon as the product's input is computed (learned from the
+ * first pass: which graph nodes feed residual products; the graph stops there too), so that it runs
+ * while the device computes W2 . x; the sum is made when the device's node completes.
+ * BITSPLIT_OVERLAP_PRODUCTS: the graph stops at products only; at the first product of an input its
+ * R . x starts, and the rest of that input's products (k and v after q, up after gate) run beside
+ * the device's. One stop per product, for a device whose W2 . x is short beside the host's R . x.
+ * BITSPLIT_OVERLAP_OFF: R . x of each product after the device's node (one after the other). */
+enum {
+    BITSPLIT_OVERLAP_OFF = 0,
+    BITSPLIT_OVERLAP_INPUTS = 1,
+    BITSPLIT_OVERLAP_PRODUCTS = 2,
+};
+int  bitsplit_ctx_set_overlap(bitsplit_ctx * ctx, int where);
 /* Batch-invariant verification, on by default: the family pinned for decode passes serves every
  * batch size (a prompt's too, unless decoded in prompt mode: bitsplit_ctx_set_prompt), and the
  * base's weights that have no residual (the output head, tensors the split kept exact) are

@@ -333,6 +333,7 @@ struct bitsplit_ctx {
     bs_scratch host_x, host_y, host_d;
     /* add mode: R . x started when its input is computed (overlap.c) */
     bool overlap;
+    bool overlap_at_products; /* started at an input's first product, no stop at the input itself */
     bs_overlap * ov;
     struct bs_comp * comp; /* the devices' second products (compensate.c) */
     bs_scratch host_c;
@@ -451,6 +452,9 @@ void bs_overlap_learn(struct bitsplit_ctx * ctx, const struct ggml_tensor * x, c
 bool bs_overlap_is_feed(const struct bitsplit_ctx * ctx, const struct ggml_tensor * t);
 /* x is computed: copy it and start R . x of every product it feeds */
 void bs_overlap_start(struct bitsplit_ctx * ctx, const struct ggml_tensor * x);
+/* with the overlap at products: the device computed e's product of x; if it is the first of x's
+ * products (graph order, as learned), start them all as bs_overlap_start does */
+void bs_overlap_start_at(struct bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs_entry * e);
 /* the device computed t = W2 . x: R . x for it (waiting for it if need be), or NULL if it was not
  * started from this very x (then compute it now) */
 const float * bs_overlap_take(struct bitsplit_ctx * ctx, const struct ggml_tensor * t, const bs_entry * e);

@@ -711,6 +711,7 @@ static bool add_residual(bitsplit_ctx * ctx, struct ggml_tensor * t) {
     const int64_t n_cols = ggml_nrows(x), K = e->ne[0], N = e->ne[1];
     const size_t ybytes = (size_t)(n_cols * N) * sizeof(float);
     bs_overlap_learn(ctx, x, e, t->src[0]);
+    bs_overlap_start_at(ctx, x, e); /* with the overlap at products */
     /* R . x: started when x was computed (overlap), or computed now */
     const float * delta = bs_overlap_take(ctx, t, e);
     const float * xcopy = NULL; /* the host's x, for compensation on the device */

@@ -11,6 +11,10 @@
  * device goes on with W2 . x. When the device's product node completes, the callback waits for that
  * product's R . x (if still running), adds it, and writes the sum back.
  *
+ * With the overlap at products (BITSPLIT_OVERLAP_PRODUCTS) the graph does not stop at the inputs:
+ * the batch starts at the stop of an input's first product, after the device's W2 . x for it, so
+ * the later products of that input (k and v after q, up after gate) still run beside the device's.
+ *
  * Every use is checked: the product's input must be the very node the batch was started from, with
  * the same number of columns; otherwise the product is computed after the fact as before. The
  * runner shares the pool, the activation buffer, the scratch and the barrier with every other use
@@ -192,7 +196,8 @@ void bs_overlap_learn(bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs
 }
 
 bool bs_overlap_is_feed(const bitsplit_ctx * ctx, const struct ggml_tensor * t) {
-    return ctx->overlap && ctx->ov->n_feeds > 0 && find_feed(ctx->ov, t->name, false) != NULL;
+    return ctx->overlap && !ctx->overlap_at_products && ctx->ov->n_feeds > 0 &&
+           find_feed(ctx->ov, t->name, false) != NULL;
 }
 
 void bs_overlap_start(bitsplit_ctx * ctx, const struct ggml_tensor * x) {
@@ -260,6 +265,15 @@ void bs_overlap_start(bitsplit_ctx * ctx, const struct ggml_tensor * x) {
             c += n_cols * f->e[i]->ne[1];
         }
         ov->comp_ok = bs_compensate(ctx, f->w, f->n, ov->xbuf, n_cols, outs);
+    }
+}
+
+void bs_overlap_start_at(bitsplit_ctx * ctx, const struct ggml_tensor * x, const bs_entry * e) {
+    /* only at the first product (a batch started there is always fresh: nothing of an earlier pass
+     * is taken), and only where later products of the same input run beside the device's */
+    const feed * f = ctx->overlap && ctx->overlap_at_products ? find_feed(ctx->ov, x->name, false) : NULL;
+    if (f != NULL && f->n > 1 && f->e[0] == e) {
+        bs_overlap_start(ctx, x);
     }
 }
 

@@ -18,12 +18,13 @@ from bitsplit_llama.speculative.options import UnknownOptionError
 CHANGED = {
     "n_ctx": 300, "n_batch": 256, "n_threads": 1, "n_gpu_layers": 0, "tree_nodes": 4, "text_nodes": 5, "drafter": "llama.cpp", "draft_stop": 0.25,
     "draft_vocab": "all", "precision": "f32", "act_bits": "16", "kernel": "generic", "rpc": None, "rpc_timeout": 30.0,
-    "overlap": False, "compensation": "cuda", "verbose": False,
+    "overlap": False, "overlap_at": "products", "compensation": "cuda", "verbose": False,
 }
 # the same on the command line (rpc and verbose left out: no server here, and the log is noise)
 CHANGED_ARGS = ["--n-ctx", "300", "--n-batch", "256", "-t", "1", "-ngl", "0", "--tree-nodes", "4", "--text-nodes", "5", "--drafter", "llama.cpp",
                 "--draft-stop", "0.25", "--draft-vocab", "all", "--precision", "f32", "--act-bits", "16",
-                "--kernel", "generic", "--rpc-timeout", "30", "--no-overlap", "--compensation", "cuda"]
+                "--kernel", "generic", "--rpc-timeout", "30", "--no-overlap", "--overlap-at", "products",
+                "--compensation", "cuda"]
 SAMPLING_ARGS = ["--temp", "0.5", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.1", "--seed", "3"]
 SAMPLING = SamplingParams(temperature=0.5, top_k=7, top_p=0.9, min_p=0.1, seed=3)
 
@@ -57,6 +58,7 @@ def test_defaults_and_normalisation():
     ("text_nodes", 300, "--text-nodes: 300 is more than 256"),
     ("text_nodes", "x", "--text-nodes: 'x' is not an integer"),
     ("drafter", "gpu", "--drafter: 'gpu' is not one of auto, native, llama.cpp"),
+    ("overlap_at", "outputs", "--overlap-at: 'outputs' is not one of inputs, products"),
     ("draft_stop", "often", "--draft-stop: 'often'"),
     ("draft_vocab", "-3", "--draft-vocab: '-3' unknown"),
     ("precision", "f8", "--precision: 'f8' is not one of"),

@@ -135,6 +135,7 @@ def test_verifier_on_the_device_equals_add_mode_bit_for_bit(device, f32_pair, ti
     # checks the device with its rounding compensated, the default)
     dev_seq, c_seq = _logits(split, TEXT, overlap=False, compensation="off", **device)
     dev, c_dev = _logits(split, TEXT, compensation="off", **device)
+    dev_at, c_at = _logits(split, TEXT, compensation="off", overlap_at="products", **device)
     # every product was completed in add mode, with its base's buffers on the server
     assert c_local.n_add_products == 0 and c_local.n_products > 0
     for c in (c_seq, c_dev):
@@ -148,6 +149,11 @@ def test_verifier_on_the_device_equals_add_mode_bit_for_bit(device, f32_pair, ti
     assert c_seq.n_stops == c_seq.n_add_products
     assert c_seq.n_stops < c_dev.n_stops < 2 * c_seq.n_stops
     assert np.array_equal(dev, dev_seq)
+    # overlap started at each input's first product: no stop at the inputs, the products of inputs
+    # with several (q, k, v; gate, up) taken from the runner, the others computed at their stop
+    assert c_at.n_stops == c_seq.n_stops and c_at.n_add_products == c_seq.n_add_products and c_at.n_errors == 0
+    assert 0 < c_at.n_overlapped < c_at.n_add_products
+    assert np.array_equal(dev_at, dev)
     if "rpc" in device:  # the same ggml CPU kernels on the server: the same rounding, bit for bit
         assert np.array_equal(dev, add)
     # the all-local verifier differs by the device's activation rounding alone. None for F32

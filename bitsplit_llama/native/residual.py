@@ -19,6 +19,8 @@ PRECISIONS = {"auto": 0, "f32": 1, "bf16": 2}
 # the verifier's activations in the 16-bit integer families (bitsplit.h's enum bitsplit_act_bits)
 ACT_BITS = {"auto": 0, "16": 1, "8": 2}
 MODES = {"auto": 0, "add": 1}
+# where add mode's R . x starts beside the device (bitsplit.h's BITSPLIT_OVERLAP_*)
+OVERLAP_AT = {"inputs": 1, "products": 2}
 # emulated device numerics (bitsplit.h's enum bitsplit_numerics; native/numerics.c gives each rule)
 NUMERICS = {"host": 0, "cpu": 1, "cuda": 2, "cuda-mmvq": 3, "metal": 4, "float": 5}
 MAX_OUTLIERS = 64  # bitsplit.h's BITSPLIT_MAX_OUTLIERS
@@ -295,9 +297,13 @@ class Residual:
             raise InvalidOptionError(f"exact channels for '{name}': no such residual weight, or a channel outside its "
                                      f"row width ({ch[:8]}...)")
 
-    def set_overlap(self, on: bool) -> None:
-        """Add mode: start R . x when its input is computed, beside the device's W2 . x (default on)."""
-        st = self._lib.bitsplit_ctx_set_overlap(self.ptr, bool(on))
+    def set_overlap(self, on: bool, at: str = "inputs") -> None:
+        """Add mode: start R . x beside the device's W2 . x (default on): when its input is computed
+        (``at`` "inputs", the graph stopping there too), or at the input's first product (``at``
+        "products": one stop per product; the input's later products beside the device's)."""
+        if at not in OVERLAP_AT:
+            raise InvalidOptionError(f"overlap at '{at}': expected one of {', '.join(OVERLAP_AT)}")
+        st = self._lib.bitsplit_ctx_set_overlap(self.ptr, OVERLAP_AT[at] if on else 0)
         if st != 0:
             _raise(st, "out of memory for the overlap's tables")
 

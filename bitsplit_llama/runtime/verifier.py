@@ -94,11 +94,13 @@ class SplitModel:
                  n_gpu_layers: int | None = None, precision: str = "auto", act_bits: str = "auto", verbose: bool = False,
                  check_fingerprint: bool = True, flash_attn: bool | None = None, kv_type: str = "f16",
                  fast_drafter: bool | None = None, reserve: int | None = None, rpc=None,
-                 rpc_timeout: float = rpc_mod.DEFAULT_TIMEOUT_S, overlap: bool = True, batch_invariant: bool = True,
+                 rpc_timeout: float = rpc_mod.DEFAULT_TIMEOUT_S, overlap: bool = True, overlap_at: str = "inputs",
+                 batch_invariant: bool = True,
                  draft_vocab: str | int = "auto", compensation: str = "auto"):
         """``rpc``: ``HOST:PORT[,...]`` of llama.cpp RPC servers: the base's ``n_gpu_layers`` layers
         (None: all) live there, the residual here, products are completed in add mode (``overlap``:
-        R . x beside the device's W2 . x).
+        R . x beside the device's W2 . x, started at each product's input, or with ``overlap_at``
+        "products" at the input's first product: one graph stop per product instead of two).
 
         ``batch_invariant`` (default): a verified row's logits do not depend on the rest of its batch
         (of any number of rows), so speculative greedy output is plain decoding's at any tree size
@@ -162,7 +164,7 @@ class SplitModel:
             self.residual.batch_invariant = batch_invariant
             self.residual.set_precision(precision)
             self.residual.set_act_bits(act_bits)
-            self.residual.set_overlap(overlap)
+            self.residual.set_overlap(overlap, overlap_at)
             if rpc is not None and rpc != "" and rpc != []:
                 self.rpc = rpc_mod.Devices(endpoints, rpc_timeout)
             self.model = Model(self.residual.base_path, n_gpu_layers=n_gpu_layers, verbose=verbose, devices=self.rpc)

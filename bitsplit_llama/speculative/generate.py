@@ -68,7 +68,8 @@ class Generator:
                              n_gpu_layers=opts.n_gpu_layers, precision=opts.precision, act_bits=opts.act_bits,
                              draft_vocab=opts.draft_vocab, verbose=opts.verbose,
                              fast_drafter=None if opts.drafter == "auto" else opts.drafter == "native", rpc=opts.rpc,
-                             rpc_timeout=opts.rpc_timeout, overlap=opts.overlap, compensation=opts.compensation)
+                             rpc_timeout=opts.rpc_timeout, overlap=opts.overlap, overlap_at=opts.overlap_at,
+                             compensation=opts.compensation)
         self.auto_choice = None
         # one family for every pass, whatever the tree (and with --no-spec): the verifier's arithmetic
         # is the same in every generation of this model here (BITSPLIT_KERNEL's, where set, pins it natively)

@@ -73,6 +73,9 @@ class GenerationOptions:
     rpc_timeout: float = 60.0
     #: with the base on a device: compute R . x beside the device's W2 . x (True) or after it
     overlap: bool = True
+    #: where that R . x starts: "inputs" (the graph also stops at each product's input) or "products"
+    #: (at an input's first product; its later products beside the device's: one stop per product)
+    overlap_at: str = "inputs"
     #: with the base on a device: its rounding of the activations corrected by a second product on the
     #: device ("auto": by the device's own rule where one is written, "off", or a rule: cpu, cuda,
     #: cuda-mmvq, metal)
@@ -122,6 +125,8 @@ class GenerationOptions:
             rpc_mod.parse_endpoints(self.rpc)
         set_("rpc_timeout", rpc_mod.check_timeout(self.rpc_timeout))
         set_("overlap", bool(self.overlap))
+        if self.overlap_at not in ("inputs", "products"):
+            raise InvalidOptionError(f"--overlap-at: '{self.overlap_at}' is not one of inputs, products")
         set_("compensation", rpc_mod.check_compensation(self.compensation))
         set_("verbose", bool(self.verbose))
 

@@ -252,6 +252,7 @@ class BenchReport:
     seconds: float = 0.0
     rpc: str | None = None
     overlap: bool = True
+    overlap_at: str = "inputs"
     draft_stop: str | float | None = None
 
     def summary(self) -> dict:
@@ -300,6 +301,7 @@ class BenchReport:
         if not runs:
             return {"base_device": "cpu (this process)"}
         return {"base_device": f"rpc {self.rpc}" if self.rpc else "gpu", "overlap": self.overlap,
+                "overlap_at": self.overlap_at,
                 "compensation": self.stats[-1].get("compensation"),
                 "vs_device": "cpu (this process)",
                 "add_mode_per_pass": {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}}
@@ -363,7 +365,7 @@ def run_bench(model_dir: str | os.PathLike[str], vs: str | os.PathLike[str], opt
     t_start = time.monotonic()
     temp = sampling.temperature
     rep = BenchReport(str(model_dir), str(vs), threads, n_predict, temp, opts.tree_nodes, prompts, rpc=opts.rpc,
-                      overlap=opts.overlap, draft_stop=opts.draft_stop)
+                      overlap=opts.overlap, overlap_at=opts.overlap_at, draft_stop=opts.draft_stop)
     say(f"starting workers ({threads} threads each): stock {Path(vs).name}, bitsplit {model_dir}")
     stock = _Side({"side": "stock", "path": str(vs), "n_ctx": opts.n_ctx, "threads": threads})
     try:
