@@ -1359,10 +1359,15 @@ static void test_callback_mul_mat(bitsplit_ctx * ctx, const model * m, const mte
     CHECK(bitsplit_eval_callback(X, false, ctx) == true, "%s: an unused start", what);
     CHECK(bitsplit_ctx_matmul(ctx, mt->r->name, x, n_cols, y1, false) == BITSPLIT_OK, "%s: matmul after", what);
     CHECK(bitsplit_eval_callback(X, false, ctx) == true, "%s: another unused start", what);
-    CHECK(bitsplit_ctx_set_overlap(ctx, false) == BITSPLIT_OK, "%s: overlap off", what);
+    CHECK(bitsplit_ctx_set_overlap(ctx, BITSPLIT_OVERLAP_OFF) == BITSPLIT_OK, "%s: overlap off", what);
     CHECK(bitsplit_eval_callback(X, true, ctx) == false, "%s: overlap off: the input is not asked for", what);
-    CHECK(bitsplit_ctx_set_overlap(ctx, true) == BITSPLIT_OK && bitsplit_ctx_set_overlap(NULL, true) ==
-          BITSPLIT_E_INVALID, "%s: overlap on", what);
+    CHECK(bitsplit_ctx_set_overlap(ctx, BITSPLIT_OVERLAP_PRODUCTS) == BITSPLIT_OK, "%s: overlap at products", what);
+    CHECK(bitsplit_eval_callback(X, true, ctx) == false, "%s: overlap at products: the input is not asked for", what);
+    CHECK(bitsplit_ctx_set_overlap(ctx, 3) == BITSPLIT_E_INVALID && bitsplit_ctx_set_overlap(ctx, -1) ==
+          BITSPLIT_E_INVALID, "%s: overlap: an unknown place refused", what);
+    CHECK(bitsplit_ctx_set_overlap(ctx, BITSPLIT_OVERLAP_INPUTS) == BITSPLIT_OK &&
+          bitsplit_ctx_set_overlap(NULL, BITSPLIT_OVERLAP_INPUTS) == BITSPLIT_E_INVALID, "%s: overlap on", what);
+    CHECK(bitsplit_eval_callback(X, true, ctx) == true, "%s: overlap at inputs: the input is asked for", what);
     ggml_set_name(X, "");
     CHECK(bitsplit_ctx_set_mode(ctx, BITSPLIT_MODE_AUTO) == BITSPLIT_OK, "set_mode auto");
 
