@@ -22,7 +22,9 @@ Timed in turn too (unless ``--compensation off``): the pass with overlap and the
 compensated (native/compensate.c: a second product of the base on the device, ``W2 . (x - round(x))``,
 the default of ``run``): ``compensated_ms``, ``compensation_cost`` (its ratio to the uncompensated
 pass with overlap), and the time in those second products (the host's ``e``, the transfers, the
-device's graph). The ``overhead_per_product_us`` figures are the uncompensated passes'.
+device's graph). The ``overhead_per_product_us`` figures are the uncompensated passes'. And the
+sum on the device with the overlap started at each input's first product instead of the input
+(``device_add_at_products``: ``--overlap-at products``, one stop per product).
 
 **The device's own cost of stopping** (``stops_ms``, ``stops_products_ms``): the same pass with the
 residual off, on a second context of the device model whose eval callback (a Python one, here)
@@ -174,7 +176,7 @@ def main() -> None:
     dev_kw = {"rpc": a.rpc} if a.rpc else {"n_gpu_layers": 99}
     comp = a.compensation or ("cpu" if a.rpc else "cuda")
     modes = ("overlap", "sequential") + (("compensated",) if comp != "off" else ()) + ("device_add",) + \
-        (("device_add_compensated",) if comp != "off" else ())
+        (("device_add_compensated",) if comp != "off" else ()) + ("device_add_at_products",)
     local = SplitModel(a.split, n_ctx=512, n_batch=n_batch, n_threads=a.threads)
     dev = SplitModel(a.split, n_ctx=512, n_batch=n_batch, n_threads=a.threads, **dev_kw)
     out = {"split": a.split, "device": a.rpc or "gpu", "threads": local.ctx.n_threads, "batches": {},
@@ -204,7 +206,8 @@ def main() -> None:
                     times[key].append(dt)
                     bare_stops[key] = n
                 for mode in modes:
-                    dev.residual.set_overlap(mode != "sequential")
+                    dev.residual.set_overlap(mode != "sequential", "products" if mode.endswith("at_products")
+                                             else "inputs")
                     dev.residual.set_compensation(comp if mode.endswith("compensated") else "host")
                     dev.residual.set_device_add(mode.startswith("device_add"))
                     b0 = _lo_bytes() if wire else 0
@@ -240,7 +243,7 @@ def main() -> None:
                 row[mode]["overhead_per_product_us"] = round(1e3 * (row[f"{mode}_ms"] - floor) / max(1, prods), 1)
                 # beyond the device's own cost of the same stops, timed bare (uncompensated modes: the
                 # compensated ones stop at the exact weights too and give the device more to compute)
-                key = "stops_products" if mode == "sequential" else "stops"
+                key = "stops_products" if mode in ("sequential", "device_add_at_products") else "stops"
                 if not mode.endswith("compensated") and bare_stops.get(key) == row[mode]["syncs"]:
                     floor = max(row[f"{key}_ms"], row[mode]["residual_ms"])
                     row[mode]["overhead_beyond_stops_us"] = round(1e3 * (row[f"{mode}_ms"] - floor) / max(1, prods), 1)
@@ -281,7 +284,11 @@ def main() -> None:
                      if "overhead_beyond_stops_us" in da else "")
                   + (f"; {da['wire_bytes'] / 1e6:.1f} MB over loopback per pass with the sum on the device "
                      f"({(da['bytes_from_device'] + da['bytes_to_device']) / 1e6:.1f} MB of it activations)"
-                     if "wire_bytes" in da else ""),
+                     if "wire_bytes" in da else "")
+                  + f"; started at the products (--overlap-at products) {row['device_add_at_products_ms']:.1f} ms, "
+                  f"{row['device_add_at_products']['syncs']} syncs"
+                  + (f", beyond its bare stops {row['device_add_at_products']['overhead_beyond_stops_us']:.0f} us per product"
+                     if "overhead_beyond_stops_us" in row["device_add_at_products"] else ""),
                   file=sys.stderr, flush=True)
     finally:
         if bare is not None:
