@@ -119,6 +119,8 @@ def test_compensation_with_the_base_on_an_rpc_device_equals_add_mode(tiny_split,
         dev, c_dev = _logits(tiny_split, rpc=server.endpoint, compensation="off", passes=2)
         seq_c, c_seq = _logits(tiny_split, rpc=server.endpoint, comp="cpu", overlap=False)
         dev_c, c_c = _logits(tiny_split, rpc=server.endpoint, passes=2)  # compensation "auto": the CPU's rule
+        # the overlap started at each input's first product: one stop per product, the same sums
+        dev_p, c_p = _logits(tiny_split, rpc=server.endpoint, passes=2, overlap_at="products")
         # the sum made on the host instead (W2 . x and W2 . e down, the sum back up): the same logits, more bytes
         dev_h, c_h = _logits(tiny_split, rpc=server.endpoint, passes=2, device_add=False)
         dev_h0, c_h0 = _logits(tiny_split, rpc=server.endpoint, passes=2, device_add=False, compensation="off")
@@ -139,6 +141,8 @@ def test_compensation_with_the_base_on_an_rpc_device_equals_add_mode(tiny_split,
     # the sum made on the device or on the host
     assert np.array_equal(dev_c, add_c) and np.array_equal(seq_c, add_c) and np.array_equal(dev_h, add_c)
     assert np.array_equal(dev_h0, dev)
+    assert np.array_equal(dev_p, add_c) and c_p.n_stops < c_c.n_stops
+    assert c_p.bytes_to_device == c_c.bytes_to_device  # e still once per input
     assert c_h.bytes_from_device > c_h0.bytes_from_device > c_c.bytes_from_device == c_dev.bytes_from_device
     assert _gap(dev_c, floor) < 0.1 * _gap(dev, floor)
     # one second product per product with overlap too (each input's products in one graph)
