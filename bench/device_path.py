@@ -237,16 +237,16 @@ def main() -> None:
                 if mode.endswith("compensated"):  # the second products: the host's e, the transfers, the device's graph
                     row[mode]["compensated"] = c1.n_compensated - c0.n_compensated
                     row[mode]["compensate_ms"] = med(lambda x, y: y.seconds_compensate - x.seconds_compensate)
-                # beyond the larger of the device's own pass and the host's R . x (which overlap can hide
-                # behind each other at best): synchronisations, copies, waking, the callback
-                floor = max(row["device_ms"], row[mode]["residual_ms"])
-                row[mode]["overhead_per_product_us"] = round(1e3 * (row[f"{mode}_ms"] - floor) / max(1, prods), 1)
+                # µs per product that the pass took beyond a floor (ms): first the larger of the device's own
+                # pass and the host's R . x (which overlap can hide behind each other at best):
+                # synchronisations, copies, waking, the callback
+                beyond = lambda floor: round(1e3 * (row[f"{mode}_ms"] - floor) / max(1, prods), 1)  # noqa: E731
+                row[mode]["overhead_per_product_us"] = beyond(max(row["device_ms"], row[mode]["residual_ms"]))
                 # beyond the device's own cost of the same stops, timed bare (uncompensated modes: the
                 # compensated ones stop at the exact weights too and give the device more to compute)
                 key = "stops_products" if mode in ("sequential", "device_add_at_products") else "stops"
                 if not mode.endswith("compensated") and bare_stops.get(key) == row[mode]["syncs"]:
-                    floor = max(row[f"{key}_ms"], row[mode]["residual_ms"])
-                    row[mode]["overhead_beyond_stops_us"] = round(1e3 * (row[f"{mode}_ms"] - floor) / max(1, prods), 1)
+                    row[mode]["overhead_beyond_stops_us"] = beyond(max(row[f"{key}_ms"], row[mode]["residual_ms"]))
                 row[mode]["syncs_per_product"] = round(row[mode]["syncs"] / max(1, prods), 2)
             row["overlap_gain"] = round(row["sequential_ms"] / row["overlap_ms"], 3)
             if "compensated" in modes:

@@ -103,7 +103,7 @@ class GenerationOptions:
         from .engine import parse_draft_stop
 
         set_("draft_stop", parse_draft_stop(self.draft_stop))
-        from ..native.residual import PRECISIONS, check_act_bits, check_draft_vocab
+        from ..native.residual import OVERLAP_AT, PRECISIONS, check_act_bits, check_draft_vocab
 
         set_("draft_vocab", check_draft_vocab(self.draft_vocab))
         if self.precision not in PRECISIONS:
@@ -125,8 +125,8 @@ class GenerationOptions:
             rpc_mod.parse_endpoints(self.rpc)
         set_("rpc_timeout", rpc_mod.check_timeout(self.rpc_timeout))
         set_("overlap", bool(self.overlap))
-        if self.overlap_at not in ("inputs", "products"):
-            raise InvalidOptionError(f"--overlap-at: '{self.overlap_at}' is not one of inputs, products")
+        if self.overlap_at not in OVERLAP_AT:
+            raise InvalidOptionError(f"--overlap-at: {self.overlap_at!r} is not one of {', '.join(OVERLAP_AT)}")
         set_("compensation", rpc_mod.check_compensation(self.compensation))
         set_("verbose", bool(self.verbose))
 
