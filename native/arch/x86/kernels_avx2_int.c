@@ -31,8 +31,9 @@
  * column's result never depends on the rest of the batch.
  *
  * Memory: one row at a time. For W2 + R at every batch size, and for the other products up to
- * FUSED_COLS columns, each pair of columns (with AVX-512's 32 registers and the base in the
- * product, each set of up to FUSED_WIDE = 4) runs over the whole row, decoding each unit in
+ * FUSED_COLS columns, each pair of columns (with AVX-512's 32 registers, each set of up to
+ * FUSED_WIDE = 4, with the base in the product or for the residual alone below TILE_MIN_COLS) runs
+ * over the whole row, decoding each unit in
  * registers and applying it to each of its columns, their totals in registers (the row's blocks
  * are in L1/L2 after the first set, which prefetches them and keeps each unit's decoded scales for
  * the others); above that, each unit is decoded once into an L1 buffer and applied to every
@@ -93,7 +94,10 @@
 #define TILE_ROWS 4
 #define TILE_COLS 2
 #ifdef BS_INT16_EVEX
-#define TILE_MIN_COLS 9
+/* from 16 once the sets of 4 below took the residual alone (FUSED_ALONE_WIDE): the tiles against
+ * them, time 1.01 / 0.99 at 16 columns, and the sets against the tiles 0.82 / 0.86 / 0.89 / 0.93 /
+ * 0.96 / 0.94 at 9 / 10 / 12 / 13 / 14 / 15 (2-core Zen 4, same command, 5 rounds, one thread) */
+#define TILE_MIN_COLS 16
 #else
 #define TILE_MIN_COLS 12
 #endif
@@ -107,6 +111,22 @@
 #define FUSED_WIDE 4
 #else
 #define FUSED_WIDE 2
+#endif
+/* The residual alone in sets of 4 (3 for the last three), each column's high digit into one vpdpwssd
+ * chain, below TILE_MIN_COLS columns: EVEX's 32 registers hold a set's running sums beside a group's
+ * codes and scales, and the set's other columns cover the chain's latency. Before, pairs to 6
+ * columns (vpmaddwd + vpaddd: with one or two columns a vpdpwssd chain is latency-bound) and the
+ * one-row buffered loop to 8. Measured on a 2-core Zen 4 (python bench/native_ab.py OLD.so NEW.so
+ * qwen-q6k --residual-only --kernel avx512vnni-int16 --threads 1 --rounds 7, Qwen2.5-Coder-1.5B q6_k
+ * split, bit-identical): time 0.80 / 0.89 / 0.90 / 0.91 / 0.84 / 0.82 at 3 / 4 / 5 / 6 / 7 / 8
+ * columns (sets of 4 with vpmaddwd + vpaddd: 0.87 / 0.98 / 0.99 / 0.99 / 0.85 / 0.85); sets of 8
+ * against sets of 4: 1.16 at 8 columns, 1.14 at 16 */
+#ifdef BS_INT16_EVEX
+#define FUSED_ALONE_WIDE 1
+#define FUSED_COLS_ALONE (TILE_MIN_COLS - 1)
+#else
+#define FUSED_ALONE_WIDE 0
+#define FUSED_COLS_ALONE FUSED_COLS
 #endif
 
 /* the same jobs avx2-f32 takes (the types a split holds, rows a multiple of their block) */
@@ -296,6 +316,13 @@ INL void apply_group(int t, bool coarse, int g, __m256i u, __m256i q, __m256i G,
             __asm__("" : "+x"(a->il), "+x"(a->ih));
             return;
         }
+        if (chains == 1 && coarse) {
+            /* the residual alone on its high digit in a set of 3-4 columns (FUSED_ALONE_WIDE):
+             * vpdpwssd into the column's one chain, the same integers as below */
+            a->il = DPWSSD(a->il, _mm256_maddubs_epi16(u, e0), G);
+            __asm__("" : "+x"(a->il));
+            return;
+        }
         if (chains == 2 && !coarse) {
             /* W2 + R at 1-2 columns: vpdpwssd, vpmaddwd and vpaddd in one (the same integers), into
              * two chains per digit (even and odd groups, summed at the unit's end), which halve its
@@ -355,7 +382,7 @@ INL void apply_r(int t, bool coarse, bool hi, int g, __m256i u, __m256i q, __m25
     if (coarse || !hi) {
         apply_group(t, coarse, g, u, q, G, D, a->d0 + 32 * g, a->d1 + 32 * g, s, chains);
     } else {
-        apply_group(t, true, g, u, q, G, D, a->d1 + 32 * g, NULL, s, 0);
+        apply_group(t, true, g, u, q, G, D, a->d1 + 32 * g, NULL, s, chains == 1 ? 1 : 0);
     }
 }
 
@@ -414,8 +441,9 @@ INL void fused_group(int bt, int rt, const uint8_t * bp, const uint8_t * rp, __m
     __m256i u, q = _mm256_setzero_si256(), G = _mm256_setzero_si256();
     __m256 D = _mm256_setzero_ps();
     /* with the base, verifying with both digits: two chains per digit at 1-2 columns, one vpdpwssd
-     * chain at 3-4 (apply_group); a column on its high digit alone takes one chain (apply_r) */
-    const int chains = bt != T_NONE && !coarse ? (ncb <= 2 ? 2 : 1) : 0;
+     * chain at 3-4 (apply_group); a column on its high digit alone takes one chain (apply_r); the
+     * residual alone in a set of 3-4 (FUSED_ALONE_WIDE) one vpdpwssd chain per column and digit */
+    const int chains = bt != T_NONE && !coarse ? (ncb <= 2 ? 2 : 1) : (bt == T_NONE && !coarse && ncb >= 3 ? 1 : 0);
     if (bt != T_NONE) {
         decode_group(bt, bp, Sb, g, hb, &u, &q, &G, &D);
         /* the base: the high digit alone where the column's block takes it (r_alone_hi: act8) */
@@ -502,6 +530,23 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
         a[j] = col_at(job, cb, c0 + j, k0, qa);
         h[j] = r_alone_hi(act8, bt, rt, coarse, &a[j]);
         nh += h[j];
+    }
+    if (ncb > 2 && bt == T_NONE) {
+        /* the residual alone, a set of 3-4 (FUSED_ALONE_WIDE): one body for the set's common digit
+         * choice; a set whose columns differ runs column by column (the same integers and float
+         * operations for each: batch-invariant), two bodies per width as act8's pairs below */
+        if (nh == ncb || nh == 0) {
+            if (nh > 0) {
+                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true);
+            } else {
+                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false);
+            }
+            return;
+        }
+        _Pragma("GCC unroll 1") for (int j = 0; j < ncb; j++) {
+            fused_pair(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a + j, 1, tot + j, coarse, h[j], false);
+        }
+        return;
     }
     if (ncb > 2) { /* with the base and 16-bit activations (act8 keeps to pairs): both digits */
         fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false);
@@ -736,19 +781,28 @@ INL void rows_body_bits(const bs_job * job, int bt, int rt, bool coarse, bool ac
         const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)r * job->r_row_bytes : NULL;
         const uint8_t * bend = bt != T_NONE ? job->w2 + (size_t)r1 * job->w2_row_bytes : NULL;
         const uint8_t * rend = rt != T_NONE ? job->r + (size_t)r1 * job->r_row_bytes : NULL;
-        if (nc <= FUSED_COLS || (bt != T_NONE && rt != T_NONE)) {
+        /* a Q8_0 residual alone in pairs at every width: the buffered loop below took twice their
+         * time from 8 columns (time pairs / buffered 0.75 / 0.51 / 0.47 / 0.48 at 8 / 12 / 16 / 32
+         * columns with avx512vnni-int16, 0.67 / 0.47 / 0.50 at 8 / 16 / 32 with avx2-int16: python
+         * bench/native_ab.py OLD.so NEW.so qwen-q8r --residual-only --kernel F --threads 1 --rounds 5,
+         * a q8_0 split of Qwen2.5-Coder-1.5B, 2-core Zen 4, bit-identical) */
+        const bool alone_q8 = bt == T_NONE && !superblock(rt);
+        if (nc <= (bt == T_NONE ? FUSED_COLS_ALONE : FUSED_COLS) || alone_q8 || (bt != T_NONE && rt != T_NONE)) {
             /* straight from registers, two (FUSED_WIDE) columns at a time, each set over the whole
              * row (the row's blocks are in L1/L2 after the first): the set's totals are locals, kept
              * in registers across the units, instead of an array in memory stored and read back
              * every unit */
             for (int64_t c = 0; c < nc;) {
                 const int64_t left = nc - c;
-                /* with the base, up to FUSED_WIDE columns per decoding (the residual alone and 8-bit
-                 * W2 + R keep pairs: their digit choice per column makes more bodies) */
-                if (FUSED_WIDE >= 4 && bt != T_NONE && !act8 && left >= 4) {
+                /* with the base, up to FUSED_WIDE columns per decoding (8-bit W2 + R keeps pairs: its
+                 * digit choice per column makes more bodies); the residual alone in sets of 4 where
+                 * FUSED_ALONE_WIDE, a superblock type's (a Q8_0 residual's in sets of 4 took 1.52-1.73x
+                 * the pairs' time at 3-6 columns: pairs) */
+                const bool wide = FUSED_WIDE >= 4 && (bt != T_NONE ? !act8 : FUSED_ALONE_WIDE && superblock(rt));
+                if (wide && left >= 4) {
                     fused_row(job, bt, rt, coarse, act8, r, c, 4, scb, scr, brow, rrow, bend, rend);
                     c += 4;
-                } else if (FUSED_WIDE >= 4 && bt != T_NONE && !act8 && left == 3) {
+                } else if (wide && left == 3) {
                     fused_row(job, bt, rt, coarse, act8, r, c, 3, scb, scr, brow, rrow, bend, rend);
                     c += 3;
                 } else if (left >= 2) {
@@ -861,7 +915,7 @@ const bs_kernel_family bs_family_avx512vnni_int16 = {
      * operations run at half rate (Zen 4), to 12 columns there (HR_INT16W_MAX in kernels.c); after
      * the full-rate AVX-512 families elsewhere, to 6 columns (not measured on such a CPU) */
     6,
-    /* R alone: avx2-int16's pairs to 8 columns, then tiles of 4 rows (TILE_MIN_COLS), to 32 */
+    /* R alone: sets of 4 columns to 15 (FUSED_ALONE_WIDE), then tiles of 4 rows (TILE_MIN_COLS), to 32 */
     .alone_max_cols = 32,
     .exact_weights = true,
 };
