@@ -891,12 +891,15 @@ def profile_cmd(
                                            "two code and two English prompts)."),
     n: int = typer.Option(64, "-n", "--n-tokens", help="Tokens generated per prompt and size."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy)."),
+    text_nodes: int = typer.Option(_GEN_DEFAULTS["text_nodes"], "--text-nodes", help="Nodes from the text itself "
+                                   "beside each tree size, as run's --text-nodes (0: the drafter's trees alone)."),
     threads: Optional[int] = THREADS,
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     as_json: bool = typer.Option(False, "--json", help="Print the profile as one JSON line."),
 ) -> None:
-    """Measure tokens per verify, verify pass time and drafting against tree size for this split, and write it to
-    MODEL_DIR/profile.json, where --tree-nodes auto and `bitsplit plan` read it."""
+    """Measure tokens per verify, verify pass time and drafting against tree size for this split (each size with
+    run's text branches beside it), and write it to MODEL_DIR/profile.json, where --tree-nodes auto and
+    `bitsplit plan` read it."""
     from .tools.bench import load_prompts
     from .formats.profile import write_profile
     from .tools.profile import measure_profile, parse_nodes
@@ -904,7 +907,8 @@ def profile_cmd(
     sizes = parse_nodes(nodes)
     ps = load_prompts(prompts) if prompts else None
     say = (lambda s: None) if quiet or as_json else (lambda s: print(s, file=sys.stderr, flush=True))
-    prof = measure_profile(model_dir, nodes=sizes, prompts=ps, n_tokens=n, temperature=temp, threads=threads, log=say)
+    prof = measure_profile(model_dir, nodes=sizes, prompts=ps, n_tokens=n, temperature=temp, threads=threads,
+                           text_nodes=text_nodes, log=say)
     path = write_profile(model_dir, prof)
     if as_json:
         _print_json({**prof, "path": str(path)})
@@ -912,12 +916,15 @@ def profile_cmd(
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{model_dir}: {len(prof['prompts'])} prompts x {n} tokens, temperature {temp:g} -> {path}")
-    for col in ("nodes", "tokens/verify", "ms/verify pass", "ms drafting/cycle", "drafter passes/cycle", "tokens/s"):
+    t = Table(title=f"{model_dir}: {len(prof['prompts'])} prompts x {n} tokens, temperature {temp:g}, "
+                    f"+{text_nodes} text nodes -> {path}")
+    for col in ("nodes", "tokens/verify", "rows/verify", "from the text", "ms/verify pass", "ms drafting/cycle",
+                "drafter passes/cycle", "tokens/s"):
         t.add_column(col, justify="right")
     for r in prof["profile"]:
-        t.add_row(str(r["nodes"]), f"{r['tokens_per_verify']:.2f}", f"{r['ms_per_verify']:.0f}",
-                  f"{r['ms_drafting_per_cycle']:.0f}", f"{r['draft_passes_per_cycle']:.1f}", f"{r['tokens_per_second']:.2f}")
+        t.add_row(str(r["nodes"]), f"{r['tokens_per_verify']:.2f}", f"{r['rows_per_verify']:.1f}",
+                  f"{100 * r['accepted_from_text']:.0f}%", f"{r['ms_per_verify']:.0f}", f"{r['ms_drafting_per_cycle']:.0f}",
+                  f"{r['draft_passes_per_cycle']:.1f}", f"{r['tokens_per_second']:.2f}")
     Console().print(t)
 
 

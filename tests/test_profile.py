@@ -35,9 +35,14 @@ def test_profile_measures_sizes_and_writes_them(split, capsys):
     rows = obj["profile"]
     assert [r["nodes"] for r in rows] == [0, 1, 4, 64]  # 64: more lanes than a small batch holds
     assert rows[0]["tokens_per_verify"] == 1.0 and rows[0]["draft_passes_per_cycle"] == 0
+    # 0 nodes: the verifier alone, one row a pass and no text; every other size with run's text budget
+    assert rows[0]["text"] == 0 and rows[0]["rows_per_verify"] == 1.0 and rows[0]["accepted_from_text"] == 0
+    assert obj["text_nodes"] == 32 and [r["text"] for r in rows[1:]] == [32, 32, 32]
     for r in rows[1:]:
-        # a tree of n nodes emits between 1 and n + 1 tokens per verification, with drafter passes
-        assert 1.0 <= r["tokens_per_verify"] <= r["nodes"] + 1 and r["draft_passes_per_cycle"] > 0
+        # a tree of n nodes and t text nodes emits between 1 and n + t + 1 tokens per verification,
+        # with drafter passes, from passes of at most n + t + 1 rows
+        assert 1.0 <= r["tokens_per_verify"] <= r["nodes"] + r["text"] + 1 and r["draft_passes_per_cycle"] > 0
+        assert 1.0 < r["rows_per_verify"] <= r["nodes"] + r["text"] + 1 and 0 <= r["accepted_from_text"] <= 1
         assert r["ms_per_verify"] > 0 and r["tokens"] == rows[0]["tokens"]  # greedy: the same tokens
     assert rows[0]["tokens"] == 24  # 12 from each prompt: every generation counted, none cut short
     on_disk = json.loads((split / PROFILE_FILE).read_text())
@@ -48,6 +53,16 @@ def test_profile_measures_sizes_and_writes_them(split, capsys):
     with GGUFFile(split / "residual.gguf") as rg:
         assert obj["base_type"] == rg.kv["bitsplit.base_type"] and obj["residual_type"] == rg.kv["bitsplit.residual_type"]
     assert obj["base_type"] == "q2_k" and obj["imatrix"] is False
+
+
+def test_profile_without_text_measures_the_drafters_trees(split, capsys):
+    code = main(["profile", str(split), "--nodes", "0,2", "-n", "12", "--prompts", _prompts(split), "--text-nodes",
+                 "0", "--json"])
+    assert code == 0
+    obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    r = obj["profile"][1]
+    assert obj["text_nodes"] == 0 and r["text"] == 0 and r["accepted_from_text"] == 0
+    assert 1.0 < r["rows_per_verify"] <= 3 and r["tokens_per_verify"] <= 3  # the chain's 2 nodes and the root
 
 
 def _prompts(split) -> str:
@@ -122,6 +137,7 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     prof = measure_profile(split, nodes=[0, 1, 4], prompts=PROMPTS[:1], n_tokens=4)
     for r in prof["profile"]:
         r["tokens_per_verify"] = {0: 1.0, 1: 1.5, 4: 45.0}[r["nodes"]]  # 4 nodes wins at these rates
+        r["rows_per_verify"] = {0: 1.0, 1: 2.0, 4: 7.2}[r["nodes"]]  # 4 nodes: 2 text rows a pass besides
     # no acceptance profile yet: the sizes a CPU-only run picks among, at an assumed acceptance
     assert main(["plan", str(split), "--gpu", "none", "--no-measure", "--json"]) == 0
     p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -142,7 +158,9 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     assert main(["plan", str(split), "--gpu", "none", "--json"]) == 0
     p = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(calls) == 1 and p["ram_bandwidth_gb_s"] == 40.0 and "now" in p["ram_bandwidth_source"]
-    assert p["tree_nodes"] == 4 and p["bitsplit"]["measured_products"]["verify_rows"] == 5
+    # the rows the profile measured (the text's with the tree's), not the tree's nodes + 1
+    assert p["tree_nodes"] == 4 and p["bitsplit"]["measured_products"]["verify_rows"] == 7
+    assert [(s["nodes"], s["text_nodes"], s["verify_rows"]) for s in p["tree_sizes"]] == [(1, 32, 2), (4, 32, 7)]
     assert "acceptance profile" in p["bitsplit"]["tokens_per_verify_source"]
     assert [s["nodes"] for s in p["tree_sizes"]] == [1, 4]
     # figures given on the command line win over the split's own profile (bench's, to check the model)
@@ -177,6 +195,8 @@ def test_plan_reads_the_profile(split, capsys, tmp_path, monkeypatch):
     (["profile", "{s}", "--nodes", "1,x"], 2, "--nodes: '1,x'"),
     (["profile", "{s}", "--nodes", "300"], 2, "each size must be 0 to 256"),
     (["profile", "{s}", "-n", "0"], 2, "-n: 0"),
+    (["profile", "{s}", "--text-nodes", "-1"], 2, "--text-nodes: -1"),
+    (["profile", "{s}", "--text-nodes", "300"], 2, "--text-nodes: 300"),
     (["profile", "{t}/nowhere"], 1, "model directory not found"),
     (["plan", "qwen2.5-32b", "--vram", "24", "--profile", "{t}/none.json"], 1, "profile not found"),
     (["plan", "qwen2.5-32b", "--vram", "24", "--profile", "{t}/bad.json"], 1, "not an acceptance profile"),

@@ -43,6 +43,15 @@ def profile_base_type(prof: dict, path: str | os.PathLike[str] | None = None) ->
     return None
 
 
+def profile_rows(row: dict) -> int:
+    """The rows of a verify pass at one of a profile's tree sizes: those it measured (the root, the
+    drafter's nodes and the text's verified: ``rows_per_verify``), else (a profile written before
+    that was recorded, of the drafter's trees alone) the tree's nodes and its root."""
+    if row.get("rows_per_verify"):
+        return max(1, round(float(row["rows_per_verify"])))
+    return int(row["nodes"]) + 1
+
+
 def write_profile(split: str | os.PathLike[str], prof: dict) -> Path:
     path = profile_path(split)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -38,6 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from ..formats.profile import profile_rows
 from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape, kernel_pinned_by_env, n_seq_max_for
 from .tree import ROOT, TreeBuilder
 
@@ -168,8 +169,8 @@ def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None,
                     prefer: Callable[[int], str | None] | None = None) -> tuple[TreeShape, float, list]:
     """The tree size of a split's acceptance profile (``bitsplit profile``) with the best tokens/s:
     measured tokens per verification, and the profile's own times when it was measured with this
-    machine key, else this machine's cost curves ``prof`` (a verify pass of nodes + 1 rows in the
-    family pinned for it, ``prefer`` as to :meth:`Profile.kernel`, and the measured drafter passes per
+    machine key, else this machine's cost curves ``prof`` (a verify pass of the rows the profile
+    measured, :func:`~bitsplit_llama.formats.profile.profile_rows`, in the family pinned for it, ``prefer`` as to :meth:`Profile.kernel`, and the measured drafter passes per
     cycle at the tree's width). Returns (shape, tokens/s, table)."""
     same = split_prof.get("machine_key") == key
     if not same and prof is None:
@@ -183,7 +184,7 @@ def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None,
         elif n == 0:
             sec = prof.plain(prefer) / 1000
         else:
-            sec = (float(r["draft_passes_per_cycle"]) * prof.draft(shape.width) + prof.verify(n + 1, prefer)) / 1000
+            sec = (float(r["draft_passes_per_cycle"]) * prof.draft(shape.width) + prof.verify(profile_rows(r), prefer)) / 1000
         tok = float(r["tokens_per_verify"])
         rows.append((shape, tok, sec, tok / sec if sec > 0 else 0.0))
     rows.sort(key=lambda r: -r[3])

@@ -42,6 +42,7 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import InputError, InvalidOptionError
+from ..formats.profile import profile_rows
 
 #: dense models without a file at hand: (layers, embedding, feed-forward, heads, kv heads, vocab)
 PRESETS = {
@@ -539,7 +540,7 @@ def make_plan(model: str | os.PathLike[str], *, vram_gb: float, gpu_bw: float = 
                      "hooked_products": hooks, "product_overhead_s": round(t_sync, 4),
                      "compensation": compensation, "compensation_s": round(best["t_comp"], 4),
                      "rounds": rounds, "tokens_per_verify": tokens_per_verify, "tokens_per_verify_source": a_src,
-                     "residual_rate_per_core": w_core, "residual_rate_source": w_src, "cores": cores,
+                     "verify_rows": verify_rows, "residual_rate_per_core": w_core, "residual_rate_source": w_src, "cores": cores,
                      "tokens_per_second": round(tps, 2)},
         "projected_speedup": round(tps / tps_q8, 2),
         "product_overhead_us": overhead_us, "product_overhead_source": overhead_src,
@@ -611,8 +612,8 @@ def plan_with_profile(make, prof: dict, source: str, *, measured: bool = True, *
     plans = []
     for r in rows:
         p = make(tokens_per_verify=float(r["tokens_per_verify"]), rounds=max(float(r["draft_passes_per_cycle"]), 1.0),
-                 verify_rows=int(r["nodes"]) + 1, acceptance_source=f"{what}{source}, {r['nodes']} nodes",
-                 **kw)
+                 verify_rows=profile_rows(r), acceptance_source=f"{what}{source}, {r['nodes']} nodes", **kw)
+        p["bitsplit"]["text_nodes"] = int(r.get("text", 0))
         plans.append((int(r["nodes"]), p))
     nodes, best = max(plans, key=lambda np_: np_[1]["projected_speedup"])
     src = (f"{what}{source} ({nodes}-node tree, the best of {len(plans)} sizes"
@@ -620,11 +621,14 @@ def plan_with_profile(make, prof: dict, source: str, *, measured: bool = True, *
     best["bitsplit"]["tokens_per_verify_source"] = src
     best["bitsplit"]["rounds_source"] = src
     best["tree_nodes"] = nodes
-    best["tree_sizes"] = [{"nodes": n, "tokens_per_verify": p["bitsplit"]["tokens_per_verify"],
-                           "rounds": p["bitsplit"]["rounds"], "projected_speedup": p["projected_speedup"]}
-                          for n, p in plans]
-    best["text"] = best["text"].replace(f"{what}{source}, {nodes} nodes", src) + "\n  tree sizes: " + ", ".join(
-        f"{n}: {p['projected_speedup']:.2f}x" for n, p in plans)
+    best["tree_sizes"] = [{"nodes": n, "text_nodes": p["bitsplit"]["text_nodes"],
+                           "tokens_per_verify": p["bitsplit"]["tokens_per_verify"], "rounds": p["bitsplit"]["rounds"],
+                           "verify_rows": p["bitsplit"]["verify_rows"],
+                           "projected_speedup": p["projected_speedup"]} for n, p in plans]
+    text = best["bitsplit"]["text_nodes"]
+    best["text"] = (best["text"].replace(f"{what}{source}, {nodes} nodes", src) + "\n  tree sizes"
+                    + (f" (each with up to {text} nodes from the text)" if text else "") + ": "
+                    + ", ".join(f"{n}: {p['projected_speedup']:.2f}x" for n, p in plans))
     return best
 
 
