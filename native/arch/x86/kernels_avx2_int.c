@@ -531,28 +531,14 @@ INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t c
         h[j] = r_alone_hi(act8, bt, rt, coarse, &a[j]);
         nh += h[j];
     }
-    if (ncb > 2 && bt == T_NONE) {
-        /* the residual alone, a set of 3-4 (FUSED_ALONE_WIDE): one body for the set's common digit
-         * choice; a set whose columns differ runs column by column (the same integers and float
-         * operations for each: batch-invariant), two bodies per width as act8's pairs below */
-        if (nh == ncb || nh == 0) {
-            if (nh > 0) {
-                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true);
-            } else {
-                fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false);
-            }
-            return;
-        }
-        _Pragma("GCC unroll 1") for (int j = 0; j < ncb; j++) {
-            fused_pair(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a + j, 1, tot + j, coarse, h[j], false);
-        }
-        return;
-    }
-    if (ncb > 2) { /* with the base and 16-bit activations (act8 keeps to pairs): both digits */
+    if (ncb > 2 && bt != T_NONE) { /* with the base and 16-bit activations (act8 keeps to pairs): both digits */
         fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, false, false);
         return;
     }
-    if (act8 && bt != T_NONE) {
+    /* act8's pairs with the base, and the residual alone in a set of 3-4 (FUSED_ALONE_WIDE): one body
+     * for the columns' common digit choice; columns whose choices differ run one by one (the same
+     * integers and float operations for each: batch-invariant) */
+    if (ncb > 2 || (act8 && bt != T_NONE)) {
         if (nh == 0 || nh == ncb) {
             if (nh > 0) {
                 fused_unit_body(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, a, ncb, tot, coarse, true, true);
