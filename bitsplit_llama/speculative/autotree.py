@@ -38,7 +38,6 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from ..formats.profile import profile_rows
 from .engine import CANDIDATES_PER_NODE, Engine, Stats, TreeShape, kernel_pinned_by_env, n_seq_max_for
 from .tree import ROOT, TreeBuilder
 
@@ -172,6 +171,8 @@ def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None,
     machine key, else this machine's cost curves ``prof`` (a verify pass of the rows the profile
     measured, :func:`~bitsplit_llama.formats.profile.profile_rows`, in the family pinned for it, ``prefer`` as to :meth:`Profile.kernel`, and the measured drafter passes per
     cycle at the tree's width). Returns (shape, tokens/s, table)."""
+    from ..formats.profile import profile_rows  # (here: formats imports numpy, which must follow llama.cpp)
+
     same = split_prof.get("machine_key") == key
     if not same and prof is None:
         raise ValueError("a profile measured elsewhere needs this machine's cost curves")

@@ -42,7 +42,6 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import InputError, InvalidOptionError
-from ..formats.profile import profile_rows
 
 #: dense models without a file at hand: (layers, embedding, feed-forward, heads, kv heads, vocab)
 PRESETS = {
@@ -605,6 +604,8 @@ def plan_with_profile(make, prof: dict, source: str, *, measured: bool = True, *
     cycle, a verification of nodes + 1 rows; the size with the best projected speedup is the plan,
     and the JSON lists them all (``tree_sizes``). ``measured=False``: the figures are assumptions
     (:func:`default_profile`), ``source`` says which."""
+    from ..formats.profile import profile_rows
+
     rows = [r for r in prof["profile"] if int(r["nodes"]) > 0]
     if not rows:
         raise InputError(f"{source}: the profile has no tree size above 0 nodes")
