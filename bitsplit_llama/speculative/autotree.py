@@ -169,8 +169,9 @@ def choose_measured(split_prof: dict, key: str, prof: "Profile | None" = None,
     """The tree size of a split's acceptance profile (``bitsplit profile``) with the best tokens/s:
     measured tokens per verification, and the profile's own times when it was measured with this
     machine key, else this machine's cost curves ``prof`` (a verify pass of the rows the profile
-    measured, :func:`~bitsplit_llama.formats.profile.profile_rows`, in the family pinned for it, ``prefer`` as to :meth:`Profile.kernel`, and the measured drafter passes per
-    cycle at the tree's width). Returns (shape, tokens/s, table)."""
+    measured, :func:`~bitsplit_llama.formats.profile.profile_rows`, in the family pinned for it,
+    ``prefer`` as to :meth:`Profile.kernel`, and the measured drafter passes per cycle at the tree's
+    width). Returns (shape, tokens/s, table)."""
     from ..formats.profile import profile_rows  # (here: formats imports numpy, which must follow llama.cpp)
 
     same = split_prof.get("machine_key") == key

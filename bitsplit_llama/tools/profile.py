@@ -5,10 +5,11 @@ few prompts and records tokens per verification, the time of a verify pass, the 
 the drafter passes per cycle and the rows a verify pass took. Each size drafts from the text too, with
 the text budget a generation has by default (``--text-nodes``, 32): the profile measures the engine as
 ``run`` uses it, so the auto tree and ``plan`` weigh the drafter's trees with the text's branches
-beside them; ``--text-nodes 0`` measures the drafter's trees alone. ``profile.json`` in the split directory holds the result with the
-base's fingerprint and this machine's key; ``--tree-nodes auto`` then picks among the measured sizes
-(with these times on the machine that measured them, with its own cost curves elsewhere) and
-``bitsplit plan`` reads tokens per verification and drafter passes from it instead of constants.
+beside them; ``--text-nodes 0`` measures the drafter's trees alone. ``profile.json`` in the split
+directory holds the result with the base's fingerprint and this machine's key; ``--tree-nodes
+auto`` then picks among the measured sizes (with these times on the machine that measured them,
+with its own cost curves elsewhere) and ``bitsplit plan`` reads tokens per verification, drafter
+passes and rows per pass from it instead of constants.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
     room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes),
                      max(s.text for s in shapes))
     say = log or (lambda s: None)
-    # a batch holds a verify pass (nodes + 1 rows) and, with one sequence per row, every lane
-    sm = SplitModel(split, n_ctx=max(256, 64 + n_tokens * 2), n_batch=max(64, room.nodes + room.text + 8, n_seq_max_for(room)),
-                    n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=threads)
+    # a batch holds a verify pass (the tree's and the text's nodes + 1 rows) and, with one sequence
+    # per row, every lane
+    sm = SplitModel(split, n_ctx=max(256, 64 + n_tokens * 2),
+                    n_batch=max(64, room.nodes + room.text + 8, n_seq_max_for(room)), n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=threads)
     rows = []
     t_start = time.monotonic()
     try:
