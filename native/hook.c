@@ -149,13 +149,18 @@ static void mul_mat_numerics(struct ggml_tensor * dst, int ith, int nth, const b
 /* ask time, with emulated device numerics: the product's rule, and room for its rounded activations
  * and the shared activations of both its jobs */
 static bool numerics_ready(bitsplit_ctx * ctx, const bs_entry * e, int64_t n_cols) {
-    if (ctx->compensate != BITSPLIT_NUMERICS_HOST &&
-        (bs_numerics_rule(ctx->compensate, e->base_type, n_cols, e->ne[0]) < 0 ||
-         !bs_ensure(&ctx->xcomp, &ctx->xcomp_size, (size_t)n_cols * (size_t)e->ne[0] * sizeof(float) + 64))) {
-        bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
-                        "device numerics: cannot compensate weight '%s' of type %s (%lld wide) in a pass of %lld rows",
-                        e->name, ggml_type_name(e->base_type), (long long)e->ne[0], (long long)n_cols);
-        return false;
+    if (ctx->compensate != BITSPLIT_NUMERICS_HOST) {
+        if (bs_numerics_rule(ctx->compensate, e->base_type, n_cols, e->ne[0]) < 0) {
+            bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
+                            "device numerics: cannot compensate weight '%s' of type %s (%lld wide) in a pass of %lld rows",
+                            e->name, ggml_type_name(e->base_type), (long long)e->ne[0], (long long)n_cols);
+            return false;
+        }
+        if (!bs_ensure(&ctx->xcomp, &ctx->xcomp_size, (size_t)n_cols * (size_t)e->ne[0] * sizeof(float) + 64)) {
+            bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory preparing the compensation of '%s' (%lld rows)",
+                            e->name, (long long)n_cols);
+            return false;
+        }
     }
     if (bs_numerics_rule(ctx->numerics, e->base_type, n_cols, e->ne[0]) < 0) {
         bs_record_error(ctx, BITSPLIT_E_UNSUPPORTED,
@@ -636,16 +641,20 @@ static void compensate_exact(bitsplit_ctx * ctx, struct ggml_tensor * t, const b
     const int64_t n_cols = ggml_nrows(x), K = e->ne[0], N = e->ne[1];
     const size_t xbytes = (size_t)(n_cols * K) * sizeof(float), ybytes = (size_t)(n_cols * N) * sizeof(float);
     float * xs = bs_scratch_get(&ctx->host_x, xbytes);
-    float * ys = bs_scratch_get(&ctx->host_y, ybytes);
-    if (xs == NULL || ys == NULL) {
+    if (xs == NULL) {
         bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory compensating '%s'", e->name);
         return;
     }
     const uint64_t tx = bs_now_ns();
     ggml_backend_tensor_get(x, xs, 0, xbytes);
     count_transfer(ctx, x, xbytes, true, tx);
-    if (ctx->device_add && !host(t)) { /* W2 . e added on the device, in place */
+    if (ctx->device_add && !host(t)) { /* W2 . e added on the device, in place: no host copy of t */
         bs_device_add(ctx, t, NULL, xs);
+        return;
+    }
+    float * ys = bs_scratch_get(&ctx->host_y, ybytes);
+    if (ys == NULL) {
+        bs_record_error(ctx, BITSPLIT_E_NOMEM, "out of memory compensating '%s'", e->name);
         return;
     }
     ggml_backend_tensor_get(t, ys, 0, ybytes);
