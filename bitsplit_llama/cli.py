@@ -116,7 +116,8 @@ _GEN_PARAMS = {
         _GEN_DEFAULTS["text_nodes"], "--text-nodes",
         help="Draft nodes from the text itself (the continuation of an earlier occurrence of the last tokens: "
              "prompt lookup), verified in the same pass as the tree's: at most this many, as many as their "
-             "measured acceptance makes worth a row; 0 = off.")),
+             "measured acceptance makes worth a row (the drafter may take what they leave, as worth); "
+             "0 = off.")),
     "drafter": ("drafter", str, typer.Option(
         _GEN_DEFAULTS["drafter"], "--drafter",
         help="Who computes the drafter's products: 'native' (this library's integer kernels), 'llama.cpp', or "

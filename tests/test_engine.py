@@ -11,7 +11,7 @@ import pytest
 from bitsplit_llama.errors import ContextLimitError, InvalidOptionError
 from bitsplit_llama.runtime.llamacpp import Context
 from bitsplit_llama.speculative.engine import (MAX_SEQ, MAX_TREE_DEPTH, MAX_TREE_NODES, Engine, Stats, TreeShape,
-                                               max_lanes, n_seq_max_for, parse_draft_stop)
+                                               cycle_cells, max_lanes, n_seq_max_for, parse_draft_stop)
 from bitsplit_llama.speculative.generate import Generator
 from bitsplit_llama.speculative.sampling import SamplingParams
 from test_verifier import make_f32_split
@@ -203,7 +203,7 @@ def test_early_stop_drafts_less_and_changes_no_token(tiny_split, stop):
 def test_separate_kv_drafter_gives_the_verifiers_tokens(tiny_split):
     with Generator(tiny_split, n_ctx=256, tree_nodes=16) as g:
         ref = g.generate(PROMPTS[2], max_tokens=40, speculative=False).tokens
-        dctx = Context(g.model, n_ctx=256, n_batch=64, n_seq_max=n_seq_max_for(g.shape))
+        dctx = Context(g.model, n_ctx=256, n_batch=max(64, n_seq_max_for(g.shape)), n_seq_max=n_seq_max_for(g.shape))
         try:
             eng = Engine(g.sm, g.shape, draft_ctx=dctx)
             st = Stats()
@@ -275,6 +275,17 @@ def test_tree_shape_validation():
         assert s.nodes == n and s.width * s.rounds >= n and n_seq_max_for(s) <= MAX_SEQ, s
         if n > 24:
             assert s.width * s.rounds >= 1.5 * n and s.rounds <= MAX_TREE_DEPTH, s
+        # with the text's nodes beside it (as run gives them), a tree drafts as deep as the whole budget
+        t = s.with_text(min(32, MAX_TREE_NODES - n))
+        t.validate()
+        assert (t.nodes, t.width, t.rounds) == (n, s.width, s.rounds) and n_seq_max_for(t) <= MAX_SEQ
+        r = t.draft_rounds(t.text)
+        assert t.draft_rounds(0) == s.rounds and s.rounds <= r <= MAX_TREE_DEPTH
+        if s.width == 1 or t.text == 0:
+            assert r == s.rounds, t  # a chain keeps its depth
+        else:
+            assert r == MAX_TREE_DEPTH or t.width * r >= 1.5 * (n + t.text), t
+        assert cycle_cells(t) >= max(n + t.text, t.width * r) + 1
 
 
 def test_lanes_capped_prunes_the_tree_and_keeps_the_output(tiny_split):
@@ -406,6 +417,42 @@ def test_text_nodes_fill_what_the_tree_leaves_of_a_pass(tiny_split):
             assert g.shape.nodes == nodes and g.shape.text == want
             if nodes == 256:
                 assert g.generate(REPEATING[0], max_tokens=4).tokens
+
+
+def test_drafter_takes_the_text_share_the_text_cannot_use(tiny_split):
+    """The text's budget less what the text offers under the root goes to the drafter, priced as the
+    text's nodes are: with nothing to copy it may add the text's whole budget, with a long match
+    nothing; with rows priced free the tree grows past the drafter's own nodes, priced out it keeps
+    them; the tree never holds more than nodes + text."""
+    from bitsplit_llama.speculative.lookup import Branch
+    from bitsplit_llama.speculative.tree import DRAFTER
+
+    asked: list[int] = []
+    offers = ([], [Branch([7, 8, 9], 3, [-0.1, -0.2, -0.3], (), ())],
+              [Branch(list(range(9, 19)), 6, [-0.01 * i for i in range(1, 11)], (), ())])
+    with Generator(tiny_split, n_ctx=256, tree_nodes=8, text_nodes=8) as g:
+        e = g.engine
+        real = e._draft_model
+
+        def spy(id_last, sp, nodes, stats, depth=None, extra=0, min_p=0.0):
+            asked.append(extra)
+            return real(id_last, sp, nodes, stats, depth, extra, min_p)
+
+        e._draft_model = spy
+        root = PROMPTS[0][5]
+        drafted = {}
+        for price in (1e-9, 0.999):
+            e.text_min_p = lambda price=price: price
+            for offer in offers:
+                e.lookup.branches = lambda last, max_len, after=(), o=offer: o if not after else []
+                e.prefill(PROMPTS[0], Stats())
+                tree, _ = e._draft(root, SamplingParams(), 8, Stats())
+                e.reset()
+                assert 0 < len(tree) <= 16
+                drafted[price, len(offer[0].tokens) if offer else 0] = sum(1 for n in tree.nodes
+                                                                           if n.source & DRAFTER)
+        assert asked == [8, 5, 0] * 2
+        assert drafted[1e-9, 0] > 8 and drafted[0.999, 0] <= 8 and drafted[1e-9, 10] <= 8
 
 
 def test_drafter_and_text_nodes_share_one_budget(tiny_split):

@@ -97,6 +97,24 @@ def test_builder_grows_best_first_and_respects_budget():
     assert len(b.tree) == 5 and b.next_round() == []
 
 
+def test_priced_nodes_past_the_own_budget_need_the_floor():
+    """With ``own`` < ``k`` the nodes past the ``own`` best are priced: one enters only where it is
+    worth ``floor``; without a floor, or with ``own`` = ``k``, the builder is the unpriced one."""
+    b = TreeBuilder(root_token=7, width=2, max_nodes=8)
+    b.offer(ROOT, [1, 2, 3, 4], [np.log(0.5), np.log(0.3), np.log(0.15), np.log(0.05)])
+    b.next_round()                                   # tokens 1 and 2: the own 2 are drafted
+    floor = np.log(0.1)
+    assert b.bar(4, own=2, floor=floor) == pytest.approx(floor)  # 3 (0.15) may enter, 4 (0.05) not
+    assert b.bar(4) == -np.inf and b.bar(2) == pytest.approx(np.log(0.3))
+    assert not b.settled(4, [], own=2, floor=floor)
+    assert b.round_gain(4, [0, 1], own=2, floor=floor) == pytest.approx(0.4 + 0.2)
+    assert b.drain(4, own=2, floor=floor) == 1      # token 3 only
+    assert sorted(n.token for n in b.tree.nodes) == [1, 2, 3]
+    assert b.settled(4, [], own=2, floor=floor)     # token 4 is worth less than the floor
+    assert not b.settled(4, [])                      # unpriced: 3 nodes of 4, not settled
+    assert b.drain(4) == 1 and len(b.tree) == 4
+
+
 def test_the_drafters_own_chain_survives_pruning_and_reordering():
     """top_chain: the chain a 1-wide drafter would have drafted, read from a wider tree (what the
     auto tree prices --draft-stop's early stops from), through best() and dfs()."""

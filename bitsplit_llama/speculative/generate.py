@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 import os
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from ..errors import BusyError, InvalidOptionError
@@ -54,7 +54,7 @@ class Generator:
         self.options = opts
         auto = shape is None and opts.tree_nodes == "auto"
         # the text's nodes: at most what a verify pass leaves beside the tree's
-        text_for = lambda s: replace(s, text=min(opts.text_nodes, MAX_TREE_NODES - s.nodes))  # noqa: E731
+        text_for = lambda s: s.with_text(min(opts.text_nodes, MAX_TREE_NODES - s.nodes))  # noqa: E731
         if shape is None:  # (a shape given keeps its own text budget)
             shape = text_for(TreeShape(0, 1, 1) if auto else TreeShape.for_nodes(opts.tree_nodes))
         self.shape = shape
@@ -63,7 +63,7 @@ class Generator:
         # the largest the choice may use
         room = text_for(autotree.room_for(split_prof)) if auto else self.shape
         room.validate()
-        self.sm = SplitModel(model_dir, n_ctx=opts.n_ctx, n_batch=max(opts.n_batch, room.nodes + room.text + 8),
+        self.sm = SplitModel(model_dir, n_ctx=opts.n_ctx, n_batch=max(opts.n_batch, room.nodes + room.text + 8, n_seq_max_for(room)),
                              n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=opts.n_threads,
                              n_gpu_layers=opts.n_gpu_layers, precision=opts.precision, act_bits=opts.act_bits,
                              draft_vocab=opts.draft_vocab, verbose=opts.verbose,

@@ -258,18 +258,25 @@ class TreeBuilder:
             v = float(lp) if self.calibrate is None else self.calibrate(float(lp))
             heapq.heappush(self._pool, _Cand(-(base + v), self._seq, int(t), node, math.exp(float(lp))))
 
-    def settled(self, k: int, frontier: Sequence[int]) -> bool:
+    def settled(self, k: int, frontier: Sequence[int], own: int | None = None, floor: float = -math.inf) -> bool:
         """Whether no node drafted from here on can be among the ``k`` best: the tree holds ``k``
         nodes already and neither the pool's best candidate nor a child of an undecoded ``frontier``
-        node (its value is at most its parent's) is worth more than the ``k``-th best node."""
-        if len(self.tree) < k or k <= 0:
+        node (its value is at most its parent's) is worth more than the ``k``-th best node. With
+        ``own`` < ``k``, the nodes past the ``own`` best must also be worth ``floor`` (:meth:`bar`)."""
+        if own is None and (len(self.tree) < k or k <= 0):
             return len(self.tree) >= k
-        kth = self._kth(k)
         values = [self.tree.nodes[i].logp for i in frontier]
         if self._pool:
             values.append(-self._pool[0].neg_logp)
-        best = max(values, default=-math.inf)
-        return best <= kth
+        return max(values, default=-math.inf) <= self.bar(k, own, floor)
+
+    def bar(self, k: int, own: int | None = None, floor: float = -math.inf) -> float:
+        """The value (log) a new node must beat to be kept: the ``k``-th best node's; with ``own`` <
+        ``k`` (``k`` - ``own`` nodes priced), the ``own``-th best's or, past it, the larger of the
+        ``k``-th best's and ``floor``: -inf while the tree has fewer than ``own``."""
+        if own is None or own >= k:
+            return self._kth(k)
+        return min(self._kth(own), max(self._kth(k), floor))
 
     def _kth(self, k: int) -> float:
         """The ``k``-th best node's value (log), -inf while the tree has fewer than ``k`` nodes."""
@@ -277,21 +284,23 @@ class TreeBuilder:
             return -math.inf
         return heapq.nlargest(k, (n.logp for n in self.tree.nodes))[-1]
 
-    def round_gain(self, k: int, frontier: Sequence[int]) -> float:
+    def round_gain(self, k: int, frontier: Sequence[int], own: int | None = None, floor: float = -math.inf) -> float:
         """At most what decoding ``frontier`` (the nodes the last round added) can add to the
         expected accepted tokens of the ``k`` best nodes: its children are worth at most their parent
         together, and each one that enters the best ``k`` pushes out a node worth at least the
         ``k``-th best. So: the sum over the frontier of what its value exceeds the ``k``-th best by
-        (the whole value while the tree has fewer than ``k`` nodes)."""
-        kth = math.exp(self._kth(k))
+        (the whole value while the tree has fewer than ``k`` nodes); with ``own``, by :meth:`bar`."""
+        bar = self._kth(k) if own is None else self.bar(k, own, floor)
+        kth = math.exp(bar)
         return sum(max(0.0, math.exp(self.tree.nodes[i].logp) - kth) for i in frontier)
 
-    def drain(self, k: int) -> int:
+    def drain(self, k: int, own: int | None = None, floor: float = -math.inf) -> int:
         """After the last round: move the pool's candidates into the tree while one is worth more
         than the ``k``-th best node, or the tree has fewer than ``k`` (a candidate already known needs
-        no drafter pass). Returns how many were moved."""
+        no drafter pass); with ``own``, while one beats :meth:`bar`. Returns how many were moved."""
         moved = 0
-        while self._pool and (len(self.tree) < k or -self._pool[0].neg_logp > self._kth(k)):
+        while self._pool and ((len(self.tree) < k and own is None) or
+                              -self._pool[0].neg_logp > (self._kth(k) if own is None else self.bar(k, own, floor))):
             c = heapq.heappop(self._pool)
             self.tree.add(c.token, c.parent, -c.neg_logp, DRAFTER, c.q)
             moved += 1

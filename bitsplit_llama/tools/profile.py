@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -62,7 +61,7 @@ def measure_profile(split: str | os.PathLike[str], *, nodes: Sequence[int] = DEF
     keys = split_keys(split, with_fingerprint=True)
     fp = keys["base_fingerprint"]
     # 0 nodes: the verifier alone (no text either); the others with the text's nodes a pass leaves them
-    shapes = [TreeShape(0, 1, 1) if n == 0 else replace(TreeShape.for_nodes(n), text=min(text, MAX_TREE_NODES - n))
+    shapes = [TreeShape(0, 1, 1) if n == 0 else TreeShape.for_nodes(n).with_text(min(text, MAX_TREE_NODES - n))
               for n in nodes]
     room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes),
                      max(s.text for s in shapes))
