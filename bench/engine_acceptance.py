@@ -4,10 +4,10 @@ output equals verifier-alone output (with the top-2 margin at any first divergen
 
     python bench/engine_acceptance.py SPLIT_DIR [--n 128] [--prompts FILE] [--temps 0,0.7]
         [--configs tree16,chain4,chain8,separate_kv_tree16] [--json OUT] [--threads N]
-        [--lookup-vs Q8_0.gguf]
+        [--lookup-vs Q8_0.gguf] [--row-price P]
 
 Configurations: tree of 16 (width 4, 7 rounds), of 32, 64, 128 and 256 nodes (TreeShape.for_nodes: 10
-to 24 rounds, width 5 to 16), chains of 1, 4 and 8, and the tree of 16 drafted by
+to 24 rounds, width 5 to 16; ``treeN`` any N the same way), chains of 1, 4 and 8, and the tree of 16 drafted by
 a separate context over the same base.gguf with its own KV cache (how a separate draft model works
 in stock llama.cpp); both draft with llama.cpp's own kernels. ``+textN`` after a configuration adds up
 to N nodes from the text itself (prompt lookup: speculative/lookup.py) to its trees; ``textN`` alone
@@ -18,6 +18,10 @@ drafter alone, the text alone and both proposed.
 ``--lookup-vs MODEL.gguf`` adds a row for llama-cpp-python's own drafting without a model
 (``LlamaPromptLookupDecoding``, greedy, on MODEL, e.g. the stock Q8_0): its tokens per verify, counted
 as generated tokens over its ``eval`` calls after the prompt's, plus the prompt's pass.
+
+``--row-price P`` pins the path probability a node beyond the drafter's own ``nodes`` (a text node, or
+a drafter node in the text's unused share) needs, instead of this machine's measured cost of a row
+over a token's (``Engine.text_min_p``): 0.05, the floor, stands for a device whose rows are nearly free.
 
 Prompt sets for the workloads: bench/prompts/code.json (code completion), english.json (English),
 edit.json (a 42-57-line Python function and an instruction to rename a variable, add type hints or a
@@ -54,15 +58,19 @@ CONFIGS = {
 
 
 def shape_of(name: str) -> TreeShape:
-    """A configuration's shape: ``tree16``, ``chain4``, ... with ``+textN`` for N text nodes, or ``textN``."""
+    """A configuration's shape: ``tree16``, ``chain4``, ... (``treeN``: any N, as ``run --tree-nodes N``) with
+    ``+textN`` for N text nodes, or ``textN``."""
     base, _, text = name.partition("+")
     if base.startswith("text") and not text:
         base, text = "", base
     n_text = int(text[4:]) if text.startswith("text") and text[4:].isdigit() else None
     if text and n_text is None:
         raise ValueError(name)
-    shape = CONFIGS[base] if base else TreeShape(0, 1, 1)
-    return TreeShape(shape.nodes, shape.width, shape.rounds, n_text or 0)
+    if base.startswith("tree") and base[4:].isdigit() and base not in CONFIGS:
+        shape = TreeShape.for_nodes(int(base[4:]))  # any size, as run's --tree-nodes N
+    else:
+        shape = CONFIGS[base] if base else TreeShape(0, 1, 1)
+    return shape.with_text(n_text or 0)  # as run gives a tree its text nodes
 
 
 def lookup_row(model: Path, prompts: list[str], n: int, threads: int | None) -> dict:
@@ -128,9 +136,13 @@ def main() -> None:
     ap.add_argument("--lookup-vs", type=Path, default=None,
                     help="also llama-cpp-python's LlamaPromptLookupDecoding on this GGUF (greedy)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--row-price", type=float, default=None,
+                    help="pin the path probability a node beyond the drafter's own needs (default: measured)")
     ap.add_argument("--threads", type=int, default=None, help="threads (default: all cores); 1 lets two runs share "
                     "a 2-core machine without their thread pools spinning against each other")
     a = ap.parse_args()
+    if a.row_price is not None and not 0.0 <= a.row_price <= 1.0:
+        ap.error(f"--row-price: {a.row_price} is not a probability in [0, 1]")
     prompts = load_prompts(a.prompts) if a.prompts else DEFAULT_PROMPTS[:10]
     temps = [float(t) for t in a.temps.split(",")]
     configs = a.configs.split(",")
@@ -151,7 +163,7 @@ def main() -> None:
     dctx = (Context(sm.model, n_ctx=2048, n_batch=max(64, n_seq_max_for(room)), n_seq_max=n_seq_max_for(room),
                     reserve=reserve_for(room), n_threads=a.threads)
             if "separate_kv_tree16" in configs else None)
-    results: dict = {"split": str(a.split), "n": a.n, "prompts": prompts, "runs": {}}
+    results: dict = {"split": str(a.split), "n": a.n, "prompts": prompts, "runs": {}, "row_price": a.row_price}
     t_start = time.time()
 
     def run(engine: Engine, prompt: str, sp: SamplingParams) -> tuple[list[int], Stats]:
@@ -165,6 +177,8 @@ def main() -> None:
             # one kernel family for every pass of every run, as a Generator pins it (policy.generation_family)
             sm.residual.choose_decode_kernel(2, policy.generation_family(sm.residual_alone))
             eng = Engine(sm, shape, draft_ctx=dctx if name.startswith("separate") else None)
+            if a.row_price is not None:
+                eng.text_min_p = lambda: a.row_price
             emitted = verifies = passes = acc = acc_text = acc_both = 0
             t_verify = t_draft = 0.0
             per = []
