@@ -151,7 +151,8 @@ def main() -> None:
         try:
             shapes.append(CONFIGS["tree16"] if c == "separate_kv_tree16" else shape_of(c))
         except (KeyError, ValueError):
-            ap.error(f"--configs: {c!r} is not one of {', '.join(CONFIGS)}, separate_kv_tree16 (with +textN), textN")
+            ap.error(f"--configs: {c!r} is not one of {', '.join(CONFIGS)}, treeN (N up to 256), separate_kv_tree16 "
+                     "(with +textN), textN")
     room = TreeShape(max(s.nodes for s in shapes), max(s.width for s in shapes), max(s.rounds for s in shapes),
                      max(s.text for s in shapes))
     n_batch = max(64, room.nodes + room.text + 1, n_seq_max_for(room))

@@ -583,9 +583,8 @@ class Engine:
                 ctx.seq_rm(lane, -1, -1)
         stats.draft_seconds += time.perf_counter() - t0
         if extra > 0:  # the ``own`` best, then the extra nodes worth their rows
-            cut = math.log(min_p) if min_p > 0 else -math.inf
             lps = sorted((n.logp for n in builder.tree.nodes), reverse=True)
-            nodes = own + sum(1 for lp in lps[own:nodes] if lp >= cut)
+            nodes = own + sum(1 for lp in lps[own:nodes] if lp >= priced["floor"])
         return builder.tree.best(nodes)
 
     def stop_mass(self) -> float:
