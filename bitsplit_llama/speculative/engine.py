@@ -62,6 +62,12 @@ def kernel_pinned_by_env() -> str | None:
     return os.environ.get("BITSPLIT_KERNEL") or None
 
 
+def _rounds_for(nodes: int, width: int) -> int:
+    """Drafter rounds for a tree of ``nodes`` at ``width``: 1.5 candidates drafted per verified node,
+    at most MAX_TREE_DEPTH."""
+    return min(MAX_TREE_DEPTH, -(-3 * nodes // (2 * width)))
+
+
 @dataclass
 class TreeShape:
     """How the draft tree grows: ``nodes`` verified per cycle, ``width`` nodes added per drafter
@@ -94,7 +100,7 @@ class TreeShape:
             width = 4
             return cls(nodes, width, min(10, max(4, (nodes * 3) // (2 * width) + 1)))
         width = max(4, -(-nodes // 16))
-        return cls(nodes, width, min(MAX_TREE_DEPTH, -(-3 * nodes // (2 * width))))
+        return cls(nodes, width, _rounds_for(nodes, width))
 
     def with_text(self, text: int) -> "TreeShape":
         """This shape with ``text`` nodes from the text beside it (the cells and lanes a cycle takes
@@ -107,11 +113,11 @@ class TreeShape:
         :meth:`for_nodes` gives them at its width, so a chain the verifier follows grows as deep as
         that budget allows (a 32-node tree's 12 rounds reach half the depth of a 64-node tree's 24:
         code on a Zen 4, 10.8 tokens per verify at 32 + 32 text nodes against 16.0 at 64; 14.5 with
-        these rounds); with no
-        extra nodes (the text offers its whole share), and for a chain, the shape's own rounds."""
+        these rounds); with no extra nodes (the text offers its whole share), and for a chain, the
+        shape's own rounds."""
         if self.width <= 1 or extra <= 0:
             return self.rounds
-        return max(self.rounds, min(MAX_TREE_DEPTH, -(-3 * (self.nodes + extra) // (2 * self.width))))
+        return max(self.rounds, _rounds_for(self.nodes + extra, self.width))
 
     def validate(self) -> None:
         if self.nodes < 0 or self.width < 1 or self.rounds < 1 or self.text < 0:

@@ -63,7 +63,8 @@ class Generator:
         # the largest the choice may use
         room = text_for(autotree.room_for(split_prof)) if auto else self.shape
         room.validate()
-        self.sm = SplitModel(model_dir, n_ctx=opts.n_ctx, n_batch=max(opts.n_batch, room.nodes + room.text + 8, n_seq_max_for(room)),
+        self.sm = SplitModel(model_dir, n_ctx=opts.n_ctx,
+                             n_batch=max(opts.n_batch, room.nodes + room.text + 8, n_seq_max_for(room)),
                              n_seq_max=n_seq_max_for(room), reserve=reserve_for(room), n_threads=opts.n_threads,
                              n_gpu_layers=opts.n_gpu_layers, precision=opts.precision, act_bits=opts.act_bits,
                              draft_vocab=opts.draft_vocab, verbose=opts.verbose,

@@ -290,8 +290,7 @@ class TreeBuilder:
         together, and each one that enters the best ``k`` pushes out a node worth at least the
         ``k``-th best. So: the sum over the frontier of what its value exceeds the ``k``-th best by
         (the whole value while the tree has fewer than ``k`` nodes); with ``own``, by :meth:`bar`."""
-        bar = self._kth(k) if own is None else self.bar(k, own, floor)
-        kth = math.exp(bar)
+        kth = math.exp(self.bar(k, own, floor))
         return sum(max(0.0, math.exp(self.tree.nodes[i].logp) - kth) for i in frontier)
 
     def drain(self, k: int, own: int | None = None, floor: float = -math.inf) -> int:
@@ -300,7 +299,7 @@ class TreeBuilder:
         no drafter pass); with ``own``, while one beats :meth:`bar`. Returns how many were moved."""
         moved = 0
         while self._pool and ((len(self.tree) < k and own is None) or
-                              -self._pool[0].neg_logp > (self._kth(k) if own is None else self.bar(k, own, floor))):
+                              -self._pool[0].neg_logp > self.bar(k, own, floor)):
             c = heapq.heappop(self._pool)
             self.tree.add(c.token, c.parent, -c.neg_logp, DRAFTER, c.q)
             moved += 1
