@@ -93,13 +93,20 @@
  * neither, 0.92 at 12) */
 #define TILE_ROWS 4
 #define TILE_COLS 2
+/* Since the tiles ask their rows ahead into L2 and only the next block into L1 (prefetch.h), they
+ * beat the other loops from fewer columns: on a 2-core Zen 4 (python bench/native_ab.py OLD.so
+ * NEW.so qwen-q6k --residual-only --kernel F --threads 1 --rounds 5, bit-identical) tiles against
+ * avx512vnni-int16's sets of 4 (FUSED_ALONE_WIDE) time 1.13 / 0.98 / 0.91 / 0.91 / 0.89 / 0.82 /
+ * 0.82 / 0.79 at 4 / 5 / 6 / 7 / 8 / 10 / 12 / 14 columns (they were from 16: the sets against the
+ * tiles had read 0.82-0.96 at 9-15), so from 6; and against avx2-int16's pairs and one-row loop
+ * 1.06 / 0.97 / 0.85 / 0.84 / 0.81 / 0.76 / 0.72 / 0.74 at 3 / 4 / 5 / 6 / 7 / 8 / 10 / 11. On AVX2
+ * alone from 7 (after the pairs, in place of the one-row loop): a Zen 3 (before the prefetch) read
+ * the tiles level with that loop at 7-11 and 1.12-1.28x the pairs' time at 4-6; not measured there
+ * since */
 #ifdef BS_INT16_EVEX
-/* from 16 once the sets of 4 below took the residual alone (FUSED_ALONE_WIDE): the tiles against
- * them, time 1.01 / 0.99 at 16 columns, and the sets against the tiles 0.82 / 0.86 / 0.89 / 0.93 /
- * 0.96 / 0.94 at 9 / 10 / 12 / 13 / 14 / 15 (2-core Zen 4, same command, 5 rounds, one thread) */
-#define TILE_MIN_COLS 16
+#define TILE_MIN_COLS 6
 #else
-#define TILE_MIN_COLS 12
+#define TILE_MIN_COLS 7
 #endif
 /* The most columns one decoding of a row serves in registers, base and residual in the product:
  * with AVX-512's 32 vector registers, 4 (each column's 4 running sums stay in registers); with
