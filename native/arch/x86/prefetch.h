@@ -21,11 +21,13 @@
  * runs of 15-31 rounds), 0.999 at 4; avx512vnni-int16 0.989 / 1.003 at 1 and 0.931 / 0.984 at 2 */
 #define BS_PF_AHEAD_ALONE 2048
 
-/* The residual alone in tiles (16+ columns): each unit of a tile's rows is applied to every column
+/* The residual alone in tiles (6+ columns): each unit of a tile's rows is applied to every column
  * before the next, so the lines BS_PF_AHEAD ahead waited in L1 while all columns' digits streamed
  * through it, and were evicted before their turn (measured on a 2-core Zen 4: with 1 KB ahead into
  * L1, a fifth of the time on the first load of each block's scales). The next block is asked into
- * L1 (BS_PF_TILE_NEAR ahead) and the rows further on into L2 alone (BS_PF_TILE_FAR). python
+ * L1 (BS_PF_TILE_NEAR ahead) and the rows further on into L2 alone (BS_PF_TILE_FAR, prefetcht1:
+ * L2 on Intel and, by AMD's documentation, from Zen 4; earlier AMD cores fill L1 with it as with
+ * prefetcht0, and a Zen 3 has not measured this distance). python
  * bench/native_ab.py OLD NEW qwen-q6k --residual-only --kernel avx512vnni-int16 --threads 1 --only
  * blk.1. (Qwen2.5-Coder-1.5B q6_k split, bit-identical), time against 1 KB into L1: 256 B alone
  * 0.862 / 0.985 at 16 / 64 columns, 512 B 0.937 / 0.991; 256 B and 2 KB into L2 0.834 / 0.919, and
@@ -46,7 +48,8 @@ static inline __attribute__((always_inline)) void bs_prefetch_ahead(const uint8_
     bs_prefetch_at(p, n, end, BS_PF_AHEAD);
 }
 
-/* the cache lines of [p + ahead, p + ahead + n) below end, into L2 (and not L1) */
+/* the cache lines of [p + ahead, p + ahead + n) below end, into L2 (and not L1, where the CPU
+ * honours prefetcht1's hint: above) */
 static inline __attribute__((always_inline)) void bs_prefetch_l2_at(const uint8_t * p, size_t n, const uint8_t * end,
                                                                      size_t ahead) {
     for (size_t o = 0; o < n; o += 64) {
