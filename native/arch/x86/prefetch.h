@@ -3,8 +3,9 @@
  * avxvnni-int16): each row's blocks are decoded one after another, and at small batches the
  * hardware prefetchers start too late (measured on a 2-core Zen 4: three quarters of the decode's
  * samples on the first load of each block, waiting on memory). A kernel asks for the bytes
- * BS_PF_AHEAD (the int16 families' R . x alone at 1-6 columns: BS_PF_AHEAD_ALONE) past the block it
- * is about to decode, never past the end of its rows.
+ * BS_PF_AHEAD (the int16 families' R . x alone below their tiles: BS_PF_AHEAD_ALONE; in tiles, from
+ * 6-7 columns: BS_PF_TILE_NEAR into L1 and BS_PF_TILE_FAR into L2) past the block it is about to
+ * decode, never past the end of its rows.
  */
 #ifndef BS_X86_PREFETCH_H
 #define BS_X86_PREFETCH_H
