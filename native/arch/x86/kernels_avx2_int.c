@@ -431,13 +431,35 @@ INL __m256 sums_r(int t, bool coarse, bool hi, int ng, const sums * s, const uni
     return sums_end(t, true, true, ng, s, h, a->xh16);
 }
 
-INL colp col_at(const bs_job * job, size_t cb, int64_t c, int64_t k0, int qa) {
-    const int64_t K = job->K;
-    const uint8_t * col = (const uint8_t *)job->acts + (size_t)c * cb;
-    const float * xs16 = (const float *)(col + 2 * K);
-    const float * sv = xs16 + 2 * (K / 16);
-    colp a = {(const int8_t *)col + k0, (const int8_t *)col + K + k0, xs16 + k0 / 16, xs16 + K / 16 + k0 / 16,
-              sv[k0 / qa], ((const uint8_t *)(sv + K / qa))[k0 / qa] != 0};
+/* Where unit k0 / qa's digits, sums of 16, block scale and digit choice sit in a column, in bytes
+ * from the column's start (int16_prepare_acts' layout: d0 [K], d1 [K], xs16 [K / 16], xh16 [K / 16],
+ * sv [K / qa], hiv [K / qa]): the same for every column, so computed once per unit, and each column
+ * then costs its start (kept across the units) and a load or two. Before, each column worked all of
+ * this out again for every unit: a quarter of the instructions of the residual's sets of 4 and a
+ * tenth of the tiles' samples (perf record -e cpu-clock). With the tiles' tail (tiled_residual) and
+ * fused_unit_body's add to zero left out, on a 2-core Zen 4 (python bench/native_ab.py OLD.so NEW.so
+ * qwen-q6k [--residual-only] --kernel F --threads 1 --rounds 5, Qwen2.5-Coder-1.5B q6_k split,
+ * bit-identical): R alone with avx512vnni-int16 time 0.975 / 0.961 / 0.911 / 0.932 / 0.948 / 0.912 /
+ * 0.925 at 1 / 2 / 4 / 5 / 6 / 16 / 64 columns, with avx2-int16 0.977 / 0.950 / 0.948 / 0.925 / 0.898 /
+ * 0.891 at 1 / 2 / 4 / 7 / 16 / 64; W2 + R 0.987 / 0.975 / 0.978 at 1 / 2 / 4 (avx512vnni-int16),
+ * 0.986 / 0.984 at 1 / 2 (avx2-int16, 7 rounds). */
+typedef struct {
+    size_t d0, d1, xs, xh, s, hi;
+} col_offs;
+
+INL col_offs col_offs_at(int64_t K, int64_t k0, int qa) {
+    const size_t k = (size_t)K, u = (size_t)k0, t = u / (size_t)qa, nq = k / (size_t)qa;
+    const size_t xs = 2 * k + 4 * (u / 16), sv = 2 * k + 4 * (2 * (k / 16));
+    const col_offs o = {u, k + u, xs, xs + 4 * (k / 16), sv + 4 * t, sv + 4 * nq + t};
+    return o;
+}
+
+/* the activations of the column starting at col, at the unit o describes */
+INL colp col_from(const uint8_t * col, const col_offs * o) {
+    float s;
+    memcpy(&s, col + o->s, sizeof s);
+    colp a = {(const int8_t *)(col + o->d0), (const int8_t *)(col + o->d1), (const float *)(col + o->xs),
+              (const float *)(col + o->xh), s, col[o->hi] != 0};
     return a;
 }
 
@@ -488,9 +510,17 @@ INL void fused_unit_body(int bt, int rt, int ng, const uint8_t * bp, const uint8
     }
     for (int j = 0; j < ncb; j++) {
         const bool hj = j == 0 ? h0 : h1;
-        __m256 v = _mm256_setzero_ps();
-        if (bt != T_NONE) v = sums_r(bt, coarse, hj, ng, &ab[j], hb, &a[j]);
-        if (rt != T_NONE) v = _mm256_add_ps(v, sums_r(rt, coarse, hj, ng, &ar[j], hr, &a[j]));
+        /* the residual's sums alone, or the base's plus the residual's: an add to zero first (as
+         * buffered_unit does) changes only a -0 to +0, and gives the same total, which starts at +0
+         * and so is never -0 (the tiles leave it out the same way) */
+        __m256 v;
+        if (bt != T_NONE && rt != T_NONE) {
+            v = _mm256_add_ps(sums_r(bt, coarse, hj, ng, &ab[j], hb, &a[j]), sums_r(rt, coarse, hj, ng, &ar[j], hr, &a[j]));
+        } else if (bt != T_NONE) {
+            v = sums_r(bt, coarse, hj, ng, &ab[j], hb, &a[j]);
+        } else {
+            v = sums_r(rt, coarse, hj, ng, &ar[j], hr, &a[j]);
+        }
         tot[j] = _mm256_fmadd_ps(_mm256_set1_ps(a[j].s), v, tot[j]);
     }
 }
@@ -527,14 +557,14 @@ INL void fused_pair(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * 
  * bodies per width, not one per combination (with those, and avx512vnni-int16's 3-4 column sets
  * under act8, kernels_avx512vnni_int.c compiled for over 9 minutes under ASan; 383 s now, and
  * kernels_avx2_int.c 236 s against 55 s before 8-bit W2 + R: native/tests/run_sanitizers.sh) */
-INL void fused_unit(const bs_job * job, int bt, int rt, int ng, int qa, size_t cb, const uint8_t * bp,
-                    const uint8_t * rp, __m256i Sb, __m256i Sr, unit_sc * hb, unit_sc * hr, int64_t k0, int64_t c0,
-                    int ncb, __m256 * tot, bool coarse, bool act8) {
+INL void fused_unit(int bt, int rt, int ng, const uint8_t * bp, const uint8_t * rp, __m256i Sb, __m256i Sr,
+                    unit_sc * hb, unit_sc * hr, const uint8_t * const * cols, const col_offs * o, int ncb,
+                    __m256 * tot, bool coarse, bool act8) {
     colp a[FUSED_WIDE];
     bool h[FUSED_WIDE];
     int nh = 0;
     for (int j = 0; j < ncb; j++) {
-        a[j] = col_at(job, cb, c0 + j, k0, qa);
+        a[j] = col_from(cols[j], o);
         h[j] = r_alone_hi(act8, bt, rt, coarse, &a[j]);
         nh += h[j];
     }
@@ -576,6 +606,8 @@ INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, bool act8, i
     const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
     __m256 pt[FUSED_WIDE];
     for (int j = 0; j < FUSED_WIDE; j++) pt[j] = _mm256_setzero_ps();
+    const uint8_t * cols[FUSED_WIDE];
+    for (int j = 0; j < ncb; j++) cols[j] = (const uint8_t *)job->acts + (size_t)(c + j) * cb;
     bool first = c == 0;
     for (int64_t k0 = 0; k0 < K; k0 += qa) {
         const int64_t t = k0 / qa;
@@ -593,7 +625,8 @@ INL void fused_row(const bs_job * job, int bt, int rt, bool coarse, bool act8, i
         }
         const __m256i Sb = bt != T_NONE ? hb->S : _mm256_setzero_si256();
         const __m256i Sr = rt != T_NONE ? hr->S : _mm256_setzero_si256();
-        fused_unit(job, bt, rt, ng, qa, cb, bp, rp, Sb, Sr, hb, hr, k0, c, ncb, pt, coarse, act8);
+        const col_offs o = col_offs_at(K, k0, qa);
+        fused_unit(bt, rt, ng, bp, rp, Sb, Sr, hb, hr, cols, &o, ncb, pt, coarse, act8);
     }
     for (int j = 0; j < ncb; j++) {
         float * y = job->y + (c + j) * job->ldy + r;
@@ -689,18 +722,22 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                     decode_group(rt, rp, Sr, g, &e[i].sc, &e[i].u[g], &e[i].q[g], &e[i].G[g], &e[i].D[g]);
                 }
             }
+            const col_offs o = col_offs_at(K, k0, qa);
+            const uint8_t * cp = (const uint8_t *)job->acts;
             int64_t c = 0;
             while (c < nc) {
                 /* the next TILE_COLS columns on their high digit; the others met on the way, row by row */
                 colp a[TILE_COLS];
                 int64_t at[TILE_COLS];
                 int n = 0;
-                for (; c < nc && n < TILE_COLS; c++) {
-                    const colp ac = col_at(job, cb, c, k0, qa);
-                    if (r_alone_hi(false, T_NONE, rt, false, &ac)) {
-                        a[n] = ac;
+                for (; c < nc && n < TILE_COLS; c++, cp += cb) {
+                    if (cp[o.hi] != 0) { /* r_alone_hi's choice for the residual alone */
+                        a[n].d1 = (const int8_t *)(cp + o.d1);
+                        a[n].xh16 = (const float *)(cp + o.xh);
+                        memcpy(&a[n].s, cp + o.s, sizeof(float));
                         at[n++] = c;
                     } else {
+                        const colp ac = col_from(cp, &o);
                         for (int i = 0; i < TILE_ROWS; i++) {
                             buffered_column(false, T_NONE, rt, ng, e + i, e + i, &ac, false, &tot[c * TILE_ROWS + i]);
                         }
@@ -708,8 +745,9 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                 }
                 if (n < TILE_COLS) { /* the last few: row by row (no base: e[i] stands for both buffers) */
                     for (int j = 0; j < n; j++) {
+                        const colp aj = col_from((const uint8_t *)job->acts + (size_t)at[j] * cb, &o);
                         for (int i = 0; i < TILE_ROWS; i++) {
-                            buffered_column(false, T_NONE, rt, ng, e + i, e + i, &a[j], false, &tot[at[j] * TILE_ROWS + i]);
+                            buffered_column(false, T_NONE, rt, ng, e + i, e + i, &aj, false, &tot[at[j] * TILE_ROWS + i]);
                         }
                     }
                     continue;
@@ -719,17 +757,30 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                 _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
                     tile_group(e, g, a, acc);
                 }
+                /* sums_end's operations for a superblock type's high digit, in its order (the same
+                 * bits), with each row's 255 d and offsets read once for the tile's columns: read
+                 * through e (which the stores to tot may alias, for all the compiler knows) they
+                 * were loaded again, and 255 d multiplied again, for every (row, column); a quarter
+                 * of the tile's samples were this tail. Alone: time 0.970 / 0.972 / 0.968 / 0.978 /
+                 * 0.978 at 6 / 8 / 16 / 32 / 64 columns (same command as col_offs'). Tried and
+                 * slower: 4 x 4 tiles (EVEX) 1.04-1.15 at 6-64; a chunk of 3-6 units decoded
+                 * before the columns run it with the tile's totals in registers, 1.07-1.17 at
+                 * 6-16 (the decoding then waits on L2) though 0.93-0.97 at 64; tiles from 4 columns
+                 * 1.28 at 4, 1.05 at 5 */
+                __m256 sv[TILE_COLS];
+                for (int j = 0; j < TILE_COLS; j++) sv[j] = _mm256_set1_ps(a[j].s);
                 for (int i = 0; i < TILE_ROWS; i++) {
+                    const __m256 dv = _mm256_set1_ps(255.0f * e[i].sc.d);
+                    const __m256 o0 = _mm256_loadu_ps(e[i].sc.O), o1 = _mm256_loadu_ps(e[i].sc.O + 8);
                     for (int j = 0; j < TILE_COLS; j++) {
-                        sums q;
-                        sums_init(&q);
-                        q.il = acc[i * TILE_COLS + j];
-                        /* buffered_column adds this to a zero first, which changes only a -0 to +0: the
-                         * same in the total, which starts at +0 and so is never -0 (time 0.980 / 0.956
-                         * at 16 / 64 columns without that add, measured as BS_PF_TILE_NEAR is) */
-                        const __m256 v = sums_r(rt, false, true, ng, &q, &e[i].sc, &a[j]);
+                        /* buffered_column adds the sums to a zero first, which changes only a -0 to +0:
+                         * the same in the total, which starts at +0 and so is never -0 (time 0.980 /
+                         * 0.956 at 16 / 64 columns without that add, measured as BS_PF_TILE_NEAR is) */
+                        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i * TILE_COLS + j]), dv);
+                        v = _mm256_fmadd_ps(o1, _mm256_loadu_ps(a[j].xh16 + 8),
+                                            _mm256_fmadd_ps(o0, _mm256_loadu_ps(a[j].xh16), v));
                         __m256 * tt = &tot[at[j] * TILE_ROWS + i];
-                        *tt = _mm256_fmadd_ps(_mm256_set1_ps(a[j].s), v, *tt);
+                        *tt = _mm256_fmadd_ps(sv[j], v, *tt);
                     }
                 }
             }
@@ -829,8 +880,10 @@ INL void rows_body_bits(const bs_job * job, int bt, int rt, bool coarse, bool ac
                 if (bt != T_NONE) decode_group(bt, bp, Sb, g, &hb->sc, &hb->u[g], &hb->q[g], &hb->G[g], &hb->D[g]);
                 if (rt != T_NONE) decode_group(rt, rp, Sr, g, &hr->sc, &hr->u[g], &hr->q[g], &hr->G[g], &hr->D[g]);
             }
-            for (int64_t c = 0; c < nc; c++) {
-                const colp a = col_at(job, cb, c, k0, qa);
+            const col_offs o = col_offs_at(K, k0, qa);
+            const uint8_t * cp = (const uint8_t *)job->acts;
+            for (int64_t c = 0; c < nc; c++, cp += cb) {
+                const colp a = col_from(cp, &o);
                 buffered_column(act8, bt, rt, ng, hb, hr, &a, coarse, &tot[c]);
             }
         }
