@@ -102,7 +102,9 @@
  * 1.06 / 0.97 / 0.85 / 0.84 / 0.81 / 0.76 / 0.72 / 0.74 at 3 / 4 / 5 / 6 / 7 / 8 / 10 / 11. On AVX2
  * alone from 7 (after the pairs, in place of the one-row loop): a Zen 3 (before the prefetch) read
  * the tiles level with that loop at 7-11 and 1.12-1.28x the pairs' time at 4-6; not measured there
- * since */
+ * since. After col_offs and the tiles' tail, this Zen 4 read avx2-int16's tiles against its pairs
+ * 0.998 / 0.914 / 0.840 at 4 / 5 / 6 columns, and avx512vnni-int16's sets of 4 against its tiles
+ * 1.002 at 6: AVX2 stays at 7 until an AVX2-only CPU (where prefetcht1 may fill L1) says otherwise */
 #ifdef BS_INT16_EVEX
 #define TILE_MIN_COLS 6
 #else
