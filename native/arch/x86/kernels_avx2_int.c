@@ -744,13 +744,11 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                 int64_t at[TILE_COLS];
                 int n = 0;
                 for (; c < nc && n < TILE_COLS; c++, cp += cb) {
-                    if (cp[o.hi] != 0) { /* r_alone_hi's choice for the residual alone */
-                        a[n].d1 = (const int8_t *)(cp + o.d1);
-                        a[n].xh16 = (const float *)(cp + o.xh);
-                        memcpy(&a[n].s, cp + o.s, sizeof(float));
+                    const colp ac = col_from(cp, &o);
+                    if (r_alone_hi(false, T_NONE, rt, false, &ac)) {
+                        a[n] = ac;
                         at[n++] = c;
                     } else {
-                        const colp ac = col_from(cp, &o);
                         for (int i = 0; i < TILE_ROWS; i++) {
                             buffered_column(false, T_NONE, rt, ng, e + i, e + i, &ac, false, &tot[c * TILE_ROWS + i]);
                         }
