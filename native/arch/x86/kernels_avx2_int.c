@@ -756,9 +756,8 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                 }
                 if (n < TILE_COLS) { /* the last few: row by row (no base: e[i] stands for both buffers) */
                     for (int j = 0; j < n; j++) {
-                        const colp aj = col_from((const uint8_t *)job->acts + (size_t)at[j] * cb, &o);
                         for (int i = 0; i < TILE_ROWS; i++) {
-                            buffered_column(false, T_NONE, rt, ng, e + i, e + i, &aj, false, &tot[at[j] * TILE_ROWS + i]);
+                            buffered_column(false, T_NONE, rt, ng, e + i, e + i, &a[j], false, &tot[at[j] * TILE_ROWS + i]);
                         }
                     }
                     continue;
