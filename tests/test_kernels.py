@@ -342,10 +342,11 @@ def test_vnni_int16_families_are_avx2_int16_bit_for_bit(tiny_split, type_splits,
     into its codes, vpdpbusd/vpdpwssd; avx512vnni-int16 in their EVEX form, one decoding of a row
     serving up to 4 columns, R alone too below 6 columns (a set whose columns' digit choices differ
     column by column), from 6 in tiles of 4 rows and pairs of columns, where avx2-int16 takes pairs
-    to 6 and tiles from 7; a Q8_0 residual alone in pairs at every width), in the same floating-point
+    to 3 and tiles from 4; a Q8_0 residual alone in pairs at every width), in the same floating-point
     order: every product of every type, with and without the base, at every batch size (1 to 5: sets
-    of 4, 3, 2 and 1 columns; 6, 7, 9 and 15 to 17: tiles, with an odd column and a column whose block
-    keeps both digits between pairs that take the high digit alone), is the same bits."""
+    of 4, 3, 2 and 1 columns, avx2-int16's tiles from 4; 6, 7, 9 and 15 to 17: tiles, with an odd
+    column and a column whose block keeps both digits between pairs that take the high digit alone),
+    is the same bits."""
     for f in (fam, "avx2-int16"):
         _runs_here(f)
     names = ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight")

@@ -104,11 +104,14 @@
  * the tiles level with that loop at 7-11 and 1.12-1.28x the pairs' time at 4-6; not measured there
  * since. After col_offs and the tiles' tail, this Zen 4 read avx2-int16's tiles against its pairs
  * 0.998 / 0.914 / 0.840 at 4 / 5 / 6 columns, and avx512vnni-int16's sets of 4 against its tiles
- * 1.002 at 6: AVX2 stays at 7 until an AVX2-only CPU (where prefetcht1 may fill L1) says otherwise */
+ * 1.002 at 6. An AVX2-only Zen 3 (2-core VM, same command, --kernel avx2-int16, 9 rounds) then read
+ * tiles from 4 against tiles from 7 (pairs below): 0.841 / 0.816 / 0.758 at 4 / 5 / 6 columns (1.007
+ * at 8, where both tile), and tiles from 2 against pairs 1.094 at 2, 0.991 at 3; so AVX2 tiles from
+ * 4 (the Zen 4's 0.998 there: level) */
 #ifdef BS_INT16_EVEX
 #define TILE_MIN_COLS 6
 #else
-#define TILE_MIN_COLS 7
+#define TILE_MIN_COLS 4
 #endif
 /* The most columns one decoding of a row serves in registers, base and residual in the product:
  * with AVX-512's 32 vector registers, 4 (each column's 4 running sums stay in registers); with
