@@ -778,8 +778,9 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                  * 0.978 at 6 / 8 / 16 / 32 / 64 columns (same command as col_offs'). Tried and
                  * slower: 4 x 4 tiles (EVEX) 1.04-1.15 at 6-64; a chunk of 3-6 units decoded
                  * before the columns run it with the tile's totals in registers, 1.07-1.17 at
-                 * 6-16 (the decoding then waits on L2) though 0.93-0.97 at 64; tiles from 4 columns
-                 * 1.28 at 4, 1.05 at 5 */
+                 * 6-16 (the decoding then waits on L2) though 0.93-0.97 at 64; EVEX tiles from 4
+                 * columns 1.28 at 4, 1.05 at 5 (against its sets of 4; AVX2's, against its pairs,
+                 * win from 4: TILE_MIN_COLS) */
                 __m256 sv[TILE_COLS];
                 for (int j = 0; j < TILE_COLS; j++) sv[j] = _mm256_set1_ps(a[j].s);
                 for (int i = 0; i < TILE_ROWS; i++) {
