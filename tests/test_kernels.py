@@ -184,7 +184,8 @@ def test_int16_families_verifier_activation_bits(tiny_split, type_splits, fam, a
     the high digit alone in every block without an outlier (both halves), with "16" both digits; held
     to the reference of that rounding and its bound, batch-invariant at 1-5 columns (avx512vnni-int16's
     sets of 4, 3 and 2, one of whose columns keeps both digits in a block its neighbours do not) and
-    past them."""
+    past them (9 and 16: avx2-int16's 8-bit W2 + R in tiles of 4 rows and pairs of columns, with an
+    odd column and that column row by row)."""
     _runs_here(fam)
     names = ("blk.0.ffn_down.weight", "blk.1.attn_q.weight", "output.weight")
     for split in (tiny_split, *type_splits.values()):

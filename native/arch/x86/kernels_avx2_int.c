@@ -30,15 +30,15 @@
  * in the per-half scaling and the offsets (sums of 16 X, per unit), always in the same order, so a
  * column's result never depends on the rest of the batch.
  *
- * Memory: one row at a time. For W2 + R at every batch size, and for the other products up to
- * FUSED_COLS columns, each pair of columns (with AVX-512's 32 registers, each set of up to
- * FUSED_WIDE = 4, with the base in the product or for the residual alone below TILE_MIN_COLS) runs
- * over the whole row, decoding each unit in
- * registers and applying it to each of its columns, their totals in registers (the row's blocks
- * are in L1/L2 after the first set, which prefetches them and keeps each unit's decoded scales for
- * the others); above that, each unit is decoded once into an L1 buffer and applied to every
- * column (and R alone from TILE_MIN_COLS columns in tiles of rows and columns). Each weight block
- * is read from memory once per product.
+ * Memory: one row at a time. For W2 + R at every batch size (avx2-int16 with 8-bit activations:
+ * below TILE_MIN_COLS_WB columns), and for the other products up to FUSED_COLS columns, each pair
+ * of columns (with AVX-512's 32 registers, each set of up to FUSED_WIDE = 4, with the base in the
+ * product or for the residual alone below TILE_MIN_COLS) runs over the whole row, decoding each
+ * unit in registers and applying it to each of its columns, their totals in registers (the row's
+ * blocks are in L1/L2 after the first set, which prefetches them and keeps each unit's decoded
+ * scales for the others); above that, each unit is decoded once into an L1 buffer and applied to
+ * every column (and R alone from TILE_MIN_COLS columns, 8-bit W2 + R from TILE_MIN_COLS_WB, in
+ * tiles of rows and columns). Each weight block is read from memory once per product.
  */
 #if defined(__x86_64__)
 
@@ -113,6 +113,16 @@
 #else
 #define TILE_MIN_COLS 4
 #endif
+/* 8-bit W2 + R (act8: the verifier's default on AVX2 CPUs without AVX-512) in the same tiles, from
+ * TILE_MIN_COLS_WB columns: each unit of the tile's rows, base and residual, decoded once for every
+ * column, where the pairs decode it again for each pair. avx2-int16 alone (and avxvnni-int16 where it
+ * runs avx2-int16's bodies): the VNNI compilations' Q2_K codes carry their scales. Measured on a
+ * 2-core Zen 3 (python bench/native_ab.py HEAD.so TILES.so qwen-q6k --kernel avx2-int16 --act-bits 8
+ * --rounds 7, Qwen2.5-Coder-1.5B q6_k split, bit-identical), tiles from 4 against the pairs: time
+ * 0.970 / 1.047 / 0.924 / 0.925 / 0.783 / 0.746 at 4 / 5 / 6 / 8 / 12 / 16 columns with 2 threads,
+ * 1.008 / 1.001 / 0.853 / 0.938 / 0.757 at 4 / 5 / 6 / 8 / 16 with one (an odd column runs row by
+ * row): so from 6 */
+#define TILE_MIN_COLS_WB 6
 /* The most columns one decoding of a row serves in registers, base and residual in the product:
  * with AVX-512's 32 vector registers, 4 (each column's 4 running sums stay in registers); with
  * AVX2's 16, 2 (4 columns at once spilled: time 0.97-1.03 of pairs at 2-6 columns, measured on a
@@ -441,7 +451,7 @@ INL __m256 sums_r(int t, bool coarse, bool hi, int ng, const sums * s, const uni
  * sv [K / qa], hiv [K / qa]): the same for every column, so computed once per unit, and each column
  * then costs its start (kept across the units) and a load or two. Before, each column worked all of
  * this out again for every unit: a quarter of the instructions of the residual's sets of 4 and a
- * tenth of the tiles' samples (perf record -e cpu-clock). With the tiles' tail (tiled_residual) and
+ * tenth of the tiles' samples (perf record -e cpu-clock). With the tiles' tail (tiled_rows) and
  * fused_unit_body's add to zero left out, on a 2-core Zen 4 (python bench/native_ab.py OLD.so NEW.so
  * qwen-q6k [--residual-only] --kernel F --threads 1 --rounds 5, Qwen2.5-Coder-1.5B q6_k split,
  * bit-identical): R alone with avx512vnni-int16 time 0.975 / 0.961 / 0.911 / 0.932 / 0.948 / 0.912 /
@@ -710,34 +720,76 @@ INL void tile_group(const unit_buf * e, int g, const colp * a, __m256i * acc) {
     }
 }
 
-/* The residual alone from TILE_MIN_COLS columns: rows in tiles of TILE_ROWS, each unit of the tile's
- * rows decoded into L1 buffers (e[i]); the columns whose blocks take the high digit alone, TILE_COLS
- * at a time, run tile_group, any other column (and the last few) buffered_column row by row. Every
- * (row, column) sees buffered_unit's integers and then its float operations in the same order, once
- * per unit into its own total: the same results whichever way its column went. */
-INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit_buf * e, __m256 * tot) {
+/* one half's tile (TILE_ROWS rows e, TILE_COLS columns a on their high digit) over the unit: its
+ * integer sums (tile_group), then sums_end's operations for a superblock type's high digit in its
+ * order (the same bits), into v[i * TILE_COLS + j], with each row's 255 d and offsets read once for
+ * the tile's columns: read through e (which the stores to tot may alias, for all the compiler knows)
+ * they were loaded again, and 255 d multiplied again, for every (row, column); a quarter of the
+ * tile's samples were this tail. Alone: time 0.970 / 0.972 / 0.968 / 0.978 / 0.978 at 6 / 8 / 16 /
+ * 32 / 64 columns (same command as col_offs'). */
+INL void tile_half(const unit_buf * e, int ng, const colp * a, __m256 * v) {
+    __m256i acc[TILE_ROWS * TILE_COLS];
+    for (int j = 0; j < TILE_ROWS * TILE_COLS; j++) acc[j] = _mm256_setzero_si256();
+    _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+        tile_group(e, g, a, acc);
+    }
+    for (int i = 0; i < TILE_ROWS; i++) {
+        const __m256 dv = _mm256_set1_ps(255.0f * e[i].sc.d);
+        const __m256 o0 = _mm256_loadu_ps(e[i].sc.O), o1 = _mm256_loadu_ps(e[i].sc.O + 8);
+        for (int j = 0; j < TILE_COLS; j++) {
+            const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i * TILE_COLS + j]), dv);
+            v[i * TILE_COLS + j] = _mm256_fmadd_ps(o1, _mm256_loadu_ps(a[j].xh16 + 8),
+                                                   _mm256_fmadd_ps(o0, _mm256_loadu_ps(a[j].xh16), w));
+        }
+    }
+}
+
+/* The TILE_ROWS rows of one unit of a tile, decoded into the L1 buffers e[0 .. TILE_ROWS - 1] */
+INL void tile_decode(int t, const uint8_t * w, size_t row_bytes, size_t ub, int64_t rt0, int64_t u, const uint8_t * end,
+                     int ng, unit_buf * e) {
+    for (int i = 0; i < TILE_ROWS; i++) {
+        const uint8_t * p = w + (size_t)(rt0 + i) * row_bytes + (size_t)u * ub;
+        bs_prefetch_at(p, ub, end, BS_PF_TILE_NEAR);
+        bs_prefetch_l2_at(p, ub, end, BS_PF_TILE_FAR);
+        decode_scales(t, p, &e[i].sc);
+        const __m256i S = e[i].sc.S;
+        _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
+            decode_group(t, p, S, g, &e[i].sc, &e[i].u[g], &e[i].q[g], &e[i].G[g], &e[i].D[g]);
+        }
+    }
+}
+
+/* The residual alone (bt = T_NONE) from TILE_MIN_COLS columns, and 8-bit W2 + R (act8, both halves
+ * superblock types) from TILE_MIN_COLS_WB: rows in tiles of TILE_ROWS, each unit of the tile's rows
+ * decoded into L1 buffers (eb[i] the base's, e[i] the residual's); the columns whose blocks take the
+ * high digit alone, TILE_COLS at a time, run tile_half for each half, any other column (and the last
+ * few) buffered_column row by row. Every (row, column) sees buffered_unit's integers and then its
+ * float operations in the same order (each half's sums and offsets, the base's plus the
+ * residual's, times the block scale into the total), once per unit into its own total: the same
+ * results whichever way its column went. Tried and slower for the residual alone: 4 x 4 tiles
+ * (EVEX) 1.04-1.15 at 6-64; a chunk of 3-6 units decoded before the columns run it with the tile's
+ * totals in registers, 1.07-1.17 at 6-16 (the decoding then waits on L2) though 0.93-0.97 at 64;
+ * EVEX tiles from 4 columns 1.28 at 4, 1.05 at 5 (against its sets of 4; AVX2's, against its
+ * pairs, win from 4: TILE_MIN_COLS) */
+INL void tiled_rows(const bs_job * job, int bt, int rt, bool act8, int64_t r0, int64_t r1, unit_buf * eb, unit_buf * e,
+                    __m256 * tot) {
     const int64_t K = job->K, nc = job->n_cols;
-    const int qa = unit_of(T_NONE, rt);
+    const int qa = unit_of(bt, rt);
     const int ng = qa / 32;
     const size_t cb = int16_col_bytes(job);
-    const size_t rub = toff(rt, qa);
+    const size_t rub = toff(rt, qa), bub = bt != T_NONE ? toff(bt, qa) : 0;
     const uint8_t * rend = job->r + (size_t)r1 * job->r_row_bytes;
+    const uint8_t * bend = bt != T_NONE ? job->w2 + (size_t)r1 * job->w2_row_bytes : NULL;
+    /* without the base, e stands for both buffers in buffered_column */
+    const unit_buf * ebc = bt != T_NONE ? eb : e;
     for (int64_t rt0 = r0; rt0 + TILE_ROWS <= r1; rt0 += TILE_ROWS) {
         for (int64_t i = 0; i < nc * TILE_ROWS; i++) {
             tot[i] = _mm256_setzero_ps();
         }
         for (int64_t k0 = 0; k0 < K; k0 += qa) {
             const int64_t t = k0 / qa;
-            for (int i = 0; i < TILE_ROWS; i++) {
-                const uint8_t * rp = job->r + (size_t)(rt0 + i) * job->r_row_bytes + (size_t)t * rub;
-                bs_prefetch_at(rp, rub, rend, BS_PF_TILE_NEAR);
-                bs_prefetch_l2_at(rp, rub, rend, BS_PF_TILE_FAR);
-                decode_scales(rt, rp, &e[i].sc);
-                const __m256i Sr = e[i].sc.S;
-                _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-                    decode_group(rt, rp, Sr, g, &e[i].sc, &e[i].u[g], &e[i].q[g], &e[i].G[g], &e[i].D[g]);
-                }
-            }
+            if (bt != T_NONE) tile_decode(bt, job->w2, job->w2_row_bytes, bub, rt0, t, bend, ng, eb);
+            tile_decode(rt, job->r, job->r_row_bytes, rub, rt0, t, rend, ng, e);
             const col_offs o = col_offs_at(K, k0, qa);
             const uint8_t * cp = (const uint8_t *)job->acts;
             int64_t c = 0;
@@ -748,53 +800,42 @@ INL void tiled_residual(const bs_job * job, int rt, int64_t r0, int64_t r1, unit
                 int n = 0;
                 for (; c < nc && n < TILE_COLS; c++, cp += cb) {
                     const colp ac = col_from(cp, &o);
-                    if (r_alone_hi(false, T_NONE, rt, false, &ac)) {
+                    if (r_alone_hi(act8, bt, rt, false, &ac)) {
                         a[n] = ac;
                         at[n++] = c;
                     } else {
                         for (int i = 0; i < TILE_ROWS; i++) {
-                            buffered_column(false, T_NONE, rt, ng, e + i, e + i, &ac, false, &tot[c * TILE_ROWS + i]);
+                            buffered_column(act8, bt, rt, ng, ebc + i, e + i, &ac, false, &tot[c * TILE_ROWS + i]);
                         }
                     }
                 }
-                if (n < TILE_COLS) { /* the last few: row by row (no base: e[i] stands for both buffers) */
+                if (n < TILE_COLS) { /* the last few: row by row */
                     for (int j = 0; j < n; j++) {
                         for (int i = 0; i < TILE_ROWS; i++) {
-                            buffered_column(false, T_NONE, rt, ng, e + i, e + i, &a[j], false, &tot[at[j] * TILE_ROWS + i]);
+                            buffered_column(act8, bt, rt, ng, ebc + i, e + i, &a[j], false, &tot[at[j] * TILE_ROWS + i]);
                         }
                     }
                     continue;
                 }
-                __m256i acc[TILE_ROWS * TILE_COLS];
-                for (int j = 0; j < TILE_ROWS * TILE_COLS; j++) acc[j] = _mm256_setzero_si256();
-                _Pragma("GCC unroll 8") for (int g = 0; g < ng; g++) {
-                    tile_group(e, g, a, acc);
+                __m256 vb[TILE_ROWS * TILE_COLS], v[TILE_ROWS * TILE_COLS];
+                if (bt != T_NONE) {
+                    tile_half(eb, ng, a, vb);
+                    /* the base's values to memory (L1) while the residual's tile runs: kept in
+                     * registers, they made the compiler spill that tile's integer sums instead */
+                    __asm__("" : : "r"(vb) : "memory");
                 }
-                /* sums_end's operations for a superblock type's high digit, in its order (the same
-                 * bits), with each row's 255 d and offsets read once for the tile's columns: read
-                 * through e (which the stores to tot may alias, for all the compiler knows) they
-                 * were loaded again, and 255 d multiplied again, for every (row, column); a quarter
-                 * of the tile's samples were this tail. Alone: time 0.970 / 0.972 / 0.968 / 0.978 /
-                 * 0.978 at 6 / 8 / 16 / 32 / 64 columns (same command as col_offs'). Tried and
-                 * slower: 4 x 4 tiles (EVEX) 1.04-1.15 at 6-64; a chunk of 3-6 units decoded
-                 * before the columns run it with the tile's totals in registers, 1.07-1.17 at
-                 * 6-16 (the decoding then waits on L2) though 0.93-0.97 at 64; EVEX tiles from 4
-                 * columns 1.28 at 4, 1.05 at 5 (against its sets of 4; AVX2's, against its pairs,
-                 * win from 4: TILE_MIN_COLS) */
+                tile_half(e, ng, a, v);
                 __m256 sv[TILE_COLS];
                 for (int j = 0; j < TILE_COLS; j++) sv[j] = _mm256_set1_ps(a[j].s);
                 for (int i = 0; i < TILE_ROWS; i++) {
-                    const __m256 dv = _mm256_set1_ps(255.0f * e[i].sc.d);
-                    const __m256 o0 = _mm256_loadu_ps(e[i].sc.O), o1 = _mm256_loadu_ps(e[i].sc.O + 8);
                     for (int j = 0; j < TILE_COLS; j++) {
                         /* buffered_column adds the sums to a zero first, which changes only a -0 to +0:
                          * the same in the total, which starts at +0 and so is never -0 (time 0.980 /
                          * 0.956 at 16 / 64 columns without that add, measured as BS_PF_TILE_NEAR is) */
-                        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i * TILE_COLS + j]), dv);
-                        v = _mm256_fmadd_ps(o1, _mm256_loadu_ps(a[j].xh16 + 8),
-                                            _mm256_fmadd_ps(o0, _mm256_loadu_ps(a[j].xh16), v));
+                        const __m256 w = bt != T_NONE ? _mm256_add_ps(vb[i * TILE_COLS + j], v[i * TILE_COLS + j])
+                                                      : v[i * TILE_COLS + j];
                         __m256 * tt = &tot[at[j] * TILE_ROWS + i];
-                        *tt = _mm256_fmadd_ps(sv[j], v, *tt);
+                        *tt = _mm256_fmadd_ps(sv[j], w, *tt);
                     }
                 }
             }
@@ -824,20 +865,28 @@ INL void rows_body_bits(const bs_job * job, int bt, int rt, bool coarse, bool ac
     const int ng = qa / 32;
     const size_t cb = int16_col_bytes(job);
     const int64_t nu = K / qa; /* units per row */
-    uint8_t * mem = bs_scratch_get(scratch, (1 + TILE_ROWS) * sizeof(unit_buf) + (size_t)nc * TILE_ROWS * sizeof(__m256) +
+    uint8_t * mem = bs_scratch_get(scratch, (1 + 2 * TILE_ROWS) * sizeof(unit_buf) + (size_t)nc * TILE_ROWS * sizeof(__m256) +
                                                 (size_t)(2 * nu) * sizeof(unit_sc) + 64);
     if (mem == NULL) {
         return; /* out of memory: bs_run_job reports it (scratch->failed) */
     }
-    unit_buf * hb = (unit_buf *)mem, * hr = hb + 1; /* hr: TILE_ROWS buffers for tiled_residual */
-    __m256 * tot = (__m256 *)(hr + TILE_ROWS);
+    /* hr: TILE_ROWS buffers for the tiles' residual, then TILE_ROWS for their base (tiled_rows) */
+    unit_buf * hb = (unit_buf *)mem, * hr = hb + 1;
+    __m256 * tot = (__m256 *)(hr + 2 * TILE_ROWS);
     unit_sc * scb = (unit_sc *)(tot + (size_t)nc * TILE_ROWS), * scr = scb + nu; /* the fused path's scales per unit */
     const size_t bub = bt != T_NONE ? toff(bt, qa) : 0, rub = rt != T_NONE ? toff(rt, qa) : 0;
     /* superblock residuals (Q4_K-Q6_K: integer scales per 16 values); Q8_0 keeps one row at a time */
     if (nc >= TILE_MIN_COLS && bt == T_NONE && superblock(rt) && rt != T_Q2_K && !coarse) {
-        tiled_residual(job, rt, r0, r1, hr, tot);
+        tiled_rows(job, T_NONE, rt, false, r0, r1, NULL, hr, tot);
         r0 += (r1 - r0) / TILE_ROWS * TILE_ROWS; /* the rows left over: one at a time, below */
     }
+#if !defined(BS_INT16_VNNI)
+    /* 8-bit W2 + R, both halves superblock types, in the same tiles (TILE_MIN_COLS_WB) */
+    if (nc >= TILE_MIN_COLS_WB && act8 && bt != T_NONE && superblock(bt) && superblock(rt) && rt != T_Q2_K && !coarse) {
+        tiled_rows(job, bt, rt, true, r0, r1, hr + TILE_ROWS, hr, tot);
+        r0 += (r1 - r0) / TILE_ROWS * TILE_ROWS;
+    }
+#endif
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t * brow = bt != T_NONE ? job->w2 + (size_t)r * job->w2_row_bytes : NULL;
         const uint8_t * rrow = rt != T_NONE ? job->r + (size_t)r * job->r_row_bytes : NULL;
